@@ -1,0 +1,1 @@
+"""jaxinfer: a JAX/XLA LLM inference engine."""

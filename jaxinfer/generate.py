@@ -1,0 +1,141 @@
+"""The simple, correct generation path: a contiguous KV cache per sequence, greedy or temperature sampling.
+
+This is the foundation's reference generator (the paged engine must produce the same greedy tokens) and the
+`python -m jaxinfer.generate` CLI on the default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.attention import contiguous_attend, init_contiguous_cache
+from jaxinfer.model.transformer import Params, forward, logits
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= n (and >= minimum): bounds the number of compiled shapes."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+@partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))
+def run_step(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,  # i32[B, T]
+    positions: jax.Array,  # i32[B, T]
+    valid: jax.Array,  # bool[B, T]; invalid tokens are padding: not written to the cache
+    cache: list,
+    all_logits: bool = False,
+) -> tuple[jax.Array, list]:
+    """One forward over a right-padded token block. Returns f32 logits for every token [B, T, V] when
+    `all_logits`, else for each row's last valid token [B, V]; and the updated (donated) cache."""
+    hidden, cache = forward(params, cfg, tokens, positions, cache, contiguous_attend(cfg, positions, valid))
+    if not all_logits:
+        last = jnp.maximum(valid.sum(axis=1) - 1, 0)
+        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return logits(params, cfg, hidden), cache
+
+
+def sample(logits_: jax.Array, temperature: jax.Array, key: jax.Array) -> jax.Array:
+    """Greedy where temperature == 0, else a draw from softmax(logits / T). logits f32[B, V] -> i32[B]."""
+    greedy = jnp.argmax(logits_, axis=-1)
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+    drawn = jax.random.categorical(key, logits_ / safe_t[:, None], axis=-1)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def generate_tokens(
+    params: Params,
+    cfg: ModelConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_token_ids: tuple[int, ...] = (),
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[list[int]]:
+    """Generates for a batch of token-id prompts; returns the new tokens of each (EOS included when hit)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts: every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    lens = np.array([len(p) for p in prompts], np.int32)
+    if lens.max() + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {lens.max()} tokens + max_new_tokens={max_new_tokens} exceeds the context length "
+            f"{cfg.max_position_embeddings}"
+        )
+    b, t = len(prompts), bucket(int(lens.max()))
+    cache = init_contiguous_cache(cfg, b, bucket(t + max_new_tokens))
+    tokens = np.zeros((b, t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    temp = jnp.full((b,), temperature, jnp.float32)
+    key = jax.random.key(seed)
+    out, cache = run_step(params, cfg, tokens, positions, positions < lens[:, None], cache)
+    key, sub = jax.random.split(key)
+    nxt = np.asarray(sample(out, temp, sub))
+    results: list[list[int]] = [[] for _ in prompts]
+    done = np.zeros(b, bool)
+    eos = np.array(eos_token_ids, np.int32)
+    for step in range(max_new_tokens):
+        for i in np.flatnonzero(~done):
+            results[i].append(int(nxt[i]))
+        done |= np.isin(nxt, eos)
+        if done.all() or step == max_new_tokens - 1:
+            break
+        pos = (lens + step)[:, None]
+        out, cache = run_step(params, cfg, nxt[:, None], pos, ~done[:, None], cache)
+        key, sub = jax.random.split(key)
+        nxt = np.asarray(sample(out, temp, sub))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxinfer.model_files import DEFAULT_MODEL
+    from jaxinfer.weights import load_model
+
+    ap = argparse.ArgumentParser(prog="python -m jaxinfer.generate", description=__doc__)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="preset name, GGUF file, HF directory or checkpoint")
+    ap.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap prompts in the chat template (default: when the model has one)",
+    )
+    args = ap.parse_args(argv)
+    if args.temperature < 0:
+        ap.error("--temperature must be >= 0")
+
+    t0 = time.perf_counter()
+    m = load_model(args.model, dtype=args.dtype)
+    tok = m.tokenizer
+    chat = tok.chat_template is not None if args.chat is None else args.chat
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in args.prompt]
+    # The chat template already contains BOS where the model wants it.
+    prompts = [tok.encode(t, add_special_tokens=not chat) for t in texts]
+    t1 = time.perf_counter()
+    outs = generate_tokens(m.params, m.config, prompts, args.max_tokens, tok.eos_token_ids, args.temperature, args.seed)
+    t2 = time.perf_counter()
+    for prompt, ids in zip(args.prompt, outs, strict=True):
+        print(f"### {prompt}\n{tok.decode(ids)}\n")
+    n = sum(len(o) for o in outs)
+    print(f"[load {t1 - t0:.1f}s, generate {n} tokens in {t2 - t1:.1f}s incl. compile]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Turn a model name or path into (config, params, tokenizer): HF directories, GGUF files, orbax checkpoints.
+
+GGUF files are dequantized once and cached as an orbax checkpoint (keyed by the file's path, size and mtime and
+the dtype), so the second start restores instead of converting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.transformer import Params
+from jaxinfer.model_files import resolve_model_path
+from jaxinfer.weights.checkpoint import is_checkpoint, restore_checkpoint, save_checkpoint
+from jaxinfer.weights.gguf_loader import load_gguf
+from jaxinfer.weights.hf import load_hf
+from jaxinfer.weights.layout import Placer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: Params
+    tokenizer: Any  # jaxinfer.tokenizer.Tokenizer, or None when the checkpoint carries none
+    path: Path  # where the weights were read from
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer")) / "converted"
+
+
+def _cache_key(path: Path, dtype: str) -> str:
+    st = path.stat()
+    raw = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|v1"
+    return f"{path.stem}-{dtype}-{hashlib.sha1(raw.encode()).hexdigest()[:12]}"
+
+
+def load_weights(
+    model: str | Path,
+    dtype: str = "float32",
+    cache_dir: Path | None = None,
+    use_cache: bool = True,
+    place: Placer | None = None,
+) -> tuple[ModelConfig, Params, Path]:
+    """(config, params, path of the original weights). `place` is only used when converting."""
+    path = resolve_model_path(str(model))
+    if is_checkpoint(path):
+        cfg, params, source = restore_checkpoint(path, dtype=dtype)
+        return cfg, params, Path(source.get("path", path))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is neither an HF model directory (config.json) nor a jaxinfer checkpoint")
+        cfg, params = load_hf(path, dtype, place)
+        return cfg, params, path
+    if path.suffix != ".gguf":
+        raise ValueError(f"don't know how to load {path}: expected a .gguf file, an HF directory or a checkpoint")
+    if not use_cache or place is not None:
+        cfg, params = load_gguf(path, dtype, place)
+        return cfg, params, path
+    cached = (cache_dir or default_cache_dir()) / _cache_key(path, dtype)
+    if is_checkpoint(cached):
+        try:
+            cfg, params, _ = restore_checkpoint(cached, dtype=dtype)
+            return cfg, params, path
+        except Exception as e:  # a damaged cache entry is rebuilt, never trusted
+            log.warning("ignoring damaged conversion cache %s: %s", cached, e)
+    cfg, params = load_gguf(path, dtype)
+    try:
+        save_checkpoint(cached, cfg, params, source={"kind": "gguf", "path": str(path)})
+    except OSError as e:
+        log.warning("could not write conversion cache %s: %s", cached, e)
+    return cfg, params, path
+
+
+def load_model(model: str | Path, dtype: str = "float32", **kwargs: Any) -> LoadedModel:
+    """Config, params and tokenizer for a model name (preset), GGUF file, HF directory or checkpoint."""
+    from jaxinfer.tokenizer import load_tokenizer
+
+    cfg, params, path = load_weights(model, dtype, **kwargs)
+    return LoadedModel(cfg, params, load_tokenizer(path), path)

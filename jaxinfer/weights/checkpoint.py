@@ -1,0 +1,90 @@
+"""Converted params saved and restored with orbax, so a second start skips dequantization and conversion.
+
+A checkpoint directory holds `jaxinfer.json` (format version, ModelConfig, where the weights came from) and
+`params/` (an orbax StandardCheckpointer tree). Restoring takes the expected shapes from the config, so a
+checkpoint that does not match its own config, or that is truncated, fails loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.transformer import Params, check_params, param_shapes
+
+FORMAT_VERSION = 1
+META_FILE = "jaxinfer.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, incomplete or corrupt."""
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / META_FILE).exists()
+
+
+def save_checkpoint(path: str | Path, cfg: ModelConfig, params: Params, source: dict[str, Any] | None = None) -> None:
+    """Writes atomically: into a temporary sibling, then renamed, so a crash never leaves a half checkpoint."""
+    path = Path(path).absolute()
+    check_params(cfg, params)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp / "params", params)
+    ckptr.wait_until_finished()
+    meta = {"format_version": FORMAT_VERSION, "config": cfg.to_dict(), "source": source or {}}
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    meta_file = path / META_FILE
+    if not meta_file.exists():
+        raise CheckpointError(f"{path} is not a jaxinfer checkpoint (no {META_FILE})")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_file} is corrupt: {e}") from e
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {meta.get('format_version')!r}; this jaxinfer reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def restore_checkpoint(
+    path: str | Path, shardings: Any = None, dtype: str | None = None
+) -> tuple[ModelConfig, Params, dict[str, Any]]:
+    """Returns (config, params, source). `shardings`, a pytree of jax.sharding.Sharding with the params'
+    structure (see `param_axes`), restores every array straight into its shards."""
+    path = Path(path).absolute()
+    meta = read_meta(path)
+    cfg = ModelConfig.from_dict(meta["config"])
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    if not (path / "params").is_dir():
+        raise CheckpointError(f"{path} is incomplete: the params/ directory is missing")
+    shapes = param_shapes(cfg)
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(n, int) for n in x)  # noqa: E731
+    if shardings is None:
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, cfg.dtype), shapes, is_leaf=is_shape)
+    else:
+        target = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s, cfg.dtype, sharding=sh), shapes, shardings, is_leaf=is_shape
+        )
+    try:
+        params = ocp.StandardCheckpointer().restore(path / "params", target)
+    except Exception as e:  # orbax raises many types for truncated/foreign data
+        raise CheckpointError(f"checkpoint at {path} is corrupt or incomplete: {type(e).__name__}: {e}") from e
+    check_params(cfg, params)
+    return cfg, params, meta.get("source", {})
