@@ -1,0 +1,179 @@
+"""orbax round trip, the GGUF conversion cache, and clear errors for broken or unsupported inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.config import ModelConfig, UnsupportedConfigError, from_gguf_metadata, from_hf_config
+from jaxinfer.model import init_params
+from jaxinfer.weights import gguf_loader, load_weights
+from jaxinfer.weights.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
+from jaxinfer.weights.convert import convert
+from tests.model.hf_reference import build
+
+TINY = ModelConfig(
+    arch="gemma3", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+    num_kv_heads=1, head_dim=16, qk_norm=True, sandwich_norm=True, norm_offset=1.0, embed_scale=True,
+    tie_word_embeddings=True, layer_windows=(4, 0),
+)  # fmt: skip
+
+
+def _assert_same(a, b):
+    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape, path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_is_identical(tmp_path, dtype):
+    cfg = TINY.replace(dtype=dtype)
+    params = init_params(cfg, seed=3)
+    save_checkpoint(tmp_path / "ck", cfg, params, source={"kind": "test"})
+    cfg2, params2, source = restore_checkpoint(tmp_path / "ck")
+    assert cfg2 == cfg and source == {"kind": "test"}
+    _assert_same(params, params2)
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="not a jaxinfer checkpoint"):
+        restore_checkpoint(tmp_path / "nowhere")
+
+
+def test_corrupt_checkpoint(tmp_path):
+    save_checkpoint(tmp_path / "ck", TINY, init_params(TINY))
+    # Truncate every data file of the orbax tree.
+    data = [p for p in (tmp_path / "ck" / "params").rglob("*") if p.is_file() and p.stat().st_size > 100]
+    assert data
+    for p in data:
+        p.write_bytes(p.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match="corrupt or incomplete"):
+        restore_checkpoint(tmp_path / "ck")
+
+
+def test_incomplete_and_mismatched_checkpoint(tmp_path):
+    save_checkpoint(tmp_path / "ck", TINY, init_params(TINY))
+    meta_path = tmp_path / "ck" / "jaxinfer.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["hidden_size"] = 64  # the stored arrays no longer fit the config
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError):
+        restore_checkpoint(tmp_path / "ck")
+    meta_path.write_text("{not json")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        restore_checkpoint(tmp_path / "ck")
+    shutil.rmtree(tmp_path / "ck" / "params")
+    meta_path.write_text(json.dumps({**meta, "config": TINY.to_dict()}))
+    with pytest.raises(CheckpointError, match="params/ directory is missing"):
+        restore_checkpoint(tmp_path / "ck")
+
+
+def test_convert_hf_dir_round_trip(tmp_path):
+    build("qwen3", tmp_path / "hf")
+    cfg, params, _ = load_weights(tmp_path / "hf")
+    convert(str(tmp_path / "hf"), tmp_path / "ck")
+    cfg2, params2, path = load_weights(tmp_path / "ck")
+    assert cfg2 == cfg and path == (tmp_path / "hf").resolve()
+    _assert_same(params, params2)
+
+
+def test_gguf_conversion_cache(tmp_path, monkeypatch):
+    """The second load of a GGUF restores the cached conversion instead of dequantizing again."""
+    from jaxinfer.model_files import smollm2_gguf
+
+    calls = []
+    real = gguf_loader.load_gguf
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("jaxinfer.weights.load_gguf", counting)
+    cfg1, p1, _ = load_weights(smollm2_gguf(), cache_dir=tmp_path)
+    cfg2, p2, _ = load_weights(smollm2_gguf(), cache_dir=tmp_path)
+    assert len(calls) == 1 and cfg1 == cfg2
+    _assert_same(p1, p2)
+
+
+def test_unknown_architecture_hf():
+    with pytest.raises(UnsupportedConfigError, match="model_type='gpt2'"):
+        from_hf_config({"model_type": "gpt2", "hidden_size": 8})
+
+
+def test_unknown_architecture_gguf():
+    with pytest.raises(UnsupportedConfigError, match="general.architecture='falcon'"):
+        from_gguf_metadata({"general.architecture": "falcon"})
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "dynamic"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        ({"hidden_act": "relu"}, "hidden_act"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"num_key_value_heads": 3}, "num_kv_heads"),
+        ({"num_local_experts": 8}, "mixture-of-experts"),
+    ],
+)
+def test_unhonourable_config_fields(change, field):
+    base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 4}  # fmt: skip
+    with pytest.raises(UnsupportedConfigError, match=field):
+        from_hf_config(base | change)
+
+
+def test_transformers4_and_5_layouts_agree():
+    """Real checkpoints on disk carry the transformers 4 layout (rope_theta, rope_scaling, sliding_window_pattern)."""
+    common = {"vocab_size": 10, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 6,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "sliding_window": 4,
+              "query_pre_attn_scalar": 8}  # fmt: skip
+    v4 = from_hf_config(
+        {
+            **common,
+            "model_type": "gemma3_text",
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "sliding_window_pattern": 6,
+        }  # fmt: skip
+    )
+    v5 = from_hf_config(
+        {
+            **common,
+            "model_type": "gemma3_text",
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        }  # fmt: skip
+    )
+    assert v4 == v5
+    assert v4.layer_windows == (4, 4, 4, 4, 4, 0)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    build("llama", tmp_path)
+    from safetensors.numpy import load_file, save_file
+
+    f = next(tmp_path.glob("*.safetensors"))
+    tensors = {k: v for k, v in load_file(f).items() if "layers.1.mlp.up_proj" not in k}
+    save_file(tensors, f)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_weights(tmp_path)
+
+
+def test_bad_gguf_file(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        load_weights(bad, use_cache=False)
+    with pytest.raises(FileNotFoundError):
+        load_weights(tmp_path / "missing.gguf")
