@@ -1,0 +1,24 @@
+"""Paged-attention kernels (Pallas: Triton for GPU, Mosaic for TPU) with pure-jnp references.
+
+Use the dispatching entry points; see README.md for shapes and the dispatch order.
+"""
+
+from kernels_pallas.common import UnsupportedCase
+from kernels_pallas.dispatch import (
+    IMPLS,
+    decode_implementation,
+    paged_decode_attention,
+    ragged_implementation,
+    ragged_paged_attention,
+)
+from kernels_pallas.reference import write_kv
+
+__all__ = [
+    "IMPLS",
+    "UnsupportedCase",
+    "decode_implementation",
+    "paged_decode_attention",
+    "ragged_implementation",
+    "ragged_paged_attention",
+    "write_kv",
+]

@@ -1,0 +1,84 @@
+"""Small pieces shared by the paged-attention references and kernels.
+
+Everything here is plain ``jnp`` so it traces the same way inside XLA code, a Triton kernel body and a
+Mosaic TPU kernel body.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Logits of masked keys. -inf (not a large finite number) so that a fully masked row has an exact zero
+# weight everywhere; the online softmax below guards the -inf - -inf case explicitly.
+NEG_INF = float("-inf")
+
+
+class UnsupportedCase(NotImplementedError):
+    """Raised at trace time by a kernel wrapper for shapes/dtypes it cannot handle.
+
+    The dispatcher catches it and falls through to the next implementation. It must only be raised from
+    static (shape/dtype/config) checks, never from data-dependent conditions.
+    """
+
+
+def cdiv(a, b):
+    """Ceiling division that works for Python ints and traced integer scalars/arrays."""
+    return (a + b - 1) // b
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def apply_soft_cap(
+    logits: jax.Array,  # f32[..., S]
+    soft_cap: float | None,
+) -> jax.Array:  # f32[..., S]
+    # Gemma-2 style capping: smooth clamp of the logits into (-cap, cap).
+    if soft_cap is None:
+        return logits
+    return soft_cap * jnp.tanh(logits / soft_cap)
+
+
+def key_mask(
+    q_pos: jax.Array,  # i32[..., 1] absolute position of each query row
+    k_pos: jax.Array,  # i32[1, S] (or broadcastable) absolute position of each key
+    kv_len: jax.Array,  # i32 scalar or broadcastable: keys at positions >= kv_len do not exist
+    sliding_window: int,
+) -> jax.Array:  # bool[..., S]
+    """Causal (+ optional sliding window) mask; keys past the sequence end are always masked."""
+    mask = (k_pos <= q_pos) & (k_pos < kv_len)
+    if sliding_window > 0:
+        mask = mask & (q_pos - k_pos < sliding_window)
+    return mask
+
+
+def online_softmax_step(
+    logits: jax.Array,  # f32[R, S] already masked with -inf
+    m_prev: jax.Array,  # f32[R] running max (may be -inf)
+    l_prev: jax.Array,  # f32[R] running sum of exp
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One flash-attention update. Returns (p f32[R, S], correction f32[R], m_next f32[R], l_next f32[R]).
+
+    The caller rescales its accumulator by ``correction`` and adds ``p @ v``. A row with no valid key so
+    far keeps m = -inf; we substitute 0 for the subtraction so that exp(-inf - 0) = 0 instead of NaN.
+    """
+    m_next = jnp.maximum(m_prev, jnp.max(logits, axis=-1))
+    m_safe = jnp.where(m_next == NEG_INF, 0.0, m_next)
+    p = jnp.exp(logits - m_safe[:, None])
+    correction = jnp.exp(m_prev - m_safe)
+    l_next = correction * l_prev + jnp.sum(p, axis=-1)
+    return p, correction, m_next, l_next
+
+
+def safe_normalize(
+    acc: jax.Array,  # f32[R, D] unnormalised sum_k p_k v_k
+    denom: jax.Array,  # f32[R] sum_k p_k
+) -> jax.Array:  # f32[R, D]
+    # A row that saw no valid key (length 0, padding) has denom == 0 and acc == 0: return zeros, not NaN.
+    return acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
