@@ -1,0 +1,1 @@
+"""KV cache: host-side page bookkeeping (no jax) and the device page pools."""

@@ -1,0 +1,1 @@
+"""Engine: scheduler (host), runner (device), and the loop that joins them."""

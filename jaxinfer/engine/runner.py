@@ -1,0 +1,198 @@
+"""The model runner: owns the device KV pools and the compiled steps, one per shape bucket.
+
+Only this module moves data between host and device. Two kinds of compiled step:
+- decode: every sequence brings exactly one token (T == S), attention by `paged_decode_attention`;
+- mixed: prefill chunks and decodes packed on one token axis, attention by `ragged_paged_attention`.
+Both write the new K/V into the donated pools in place and sample on device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels_pallas
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.transformer import Params, forward, logits
+from jaxinfer.step import StepInputs, pack, pick_bucket, power_of_two_buckets
+
+log = logging.getLogger(__name__)
+
+KVPools = list[tuple[jax.Array, jax.Array]]  # per layer: (k, v) f[num_pages, page_size, Hkv, Dh]
+
+
+# ---------------------------------------------------------------------------------------------- compile tracking
+
+_compile_count = 0
+_compile_lock = threading.Lock()
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    global _compile_count
+    if event == "/jax/core/compile/backend_compile_duration":
+        with _compile_lock:
+            _compile_count += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_count() -> int:
+    """Backend compilations in this process so far (any jitted function): a steady workload adds none."""
+    return _compile_count
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
+    """Turns on jax's persistent compilation cache so a restart reuses compiled steps."""
+    path = Path(path or os.environ.get("JAXINFER_COMPILE_CACHE", Path.home() / ".cache" / "jaxinfer" / "xla"))
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # NOTE: on CPU nothing is written unless the threshold is 0 (compiles there are fast but still add up).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+
+def _sample(lg: jax.Array, temperature: jax.Array, seeds: jax.Array, counter: jax.Array) -> jax.Array:
+    """lg f32[S, V] -> i32[S]. Greedy where temperature == 0; otherwise a draw keyed by (seed, counter) only,
+    so a seeded request's tokens do not depend on its batch neighbours."""
+    greedy = jnp.argmax(lg, axis=-1)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counter)
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, lg / t)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: str | None):
+    def attend(i: int, q, k, v, pools):
+        kp, vp = kernels_pallas.write_kv(pools[0], pools[1], k[0], v[0], inp.slot_mapping)
+        opts = dict(scale=cfg.scale, sliding_window=cfg.layer_windows[i], soft_cap=cfg.attn_logit_softcap, impl=impl)
+        if decode_only:
+            out = kernels_pallas.paged_decode_attention(q[0], kp, vp, inp.page_table, inp.context_lens, **opts)
+        else:
+            out = kernels_pallas.ragged_paged_attention(
+                q[0], kp, vp, inp.page_table, inp.context_lens, inp.query_start_loc, inp.num_seqs, **opts
+            )
+        return out[None], (kp, vp)
+
+    return attend
+
+
+@partial(jax.jit, static_argnames=("cfg", "decode_only", "impl"), donate_argnames=("kv",))
+def paged_step(
+    params: Params, cfg: ModelConfig, kv: KVPools, inp: StepInputs, decode_only: bool, impl: str | None = None
+) -> tuple[jax.Array, jax.Array, KVPools]:
+    """One engine step. Returns (sampled tokens i32[S], logits f32[S, V] of each sequence's last token, pools)."""
+    hidden, kv = forward(
+        params, cfg, inp.token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl)
+    )
+    lg = logits(params, cfg, hidden[0][inp.logits_indices])
+    return _sample(lg, inp.temperature, inp.seeds, inp.sample_counter), lg, kv
+
+
+# ---------------------------------------------------------------------------------------------- runner
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # explicit pool size; else sized from memory_fraction
+    memory_fraction: float = 0.5  # of the device memory left free after the weights (like gpu_memory_utilization)
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256  # token budget of a mixed step
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.max_model_len < 1 or self.max_num_seqs < 1:
+            raise ValueError("page_size, max_model_len and max_num_seqs must be >= 1")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs a token slot)")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def _free_device_bytes() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    import psutil  # CPU backends report no memory stats: use the host's available memory
+
+    return int(psutil.virtual_memory().available)
+
+
+def size_pool(cfg: ModelConfig, cc: CacheConfig) -> int:
+    """Number of pages: explicit, or the memory fraction of what is free now, divided by a page's bytes."""
+    if cc.num_pages is not None:
+        return cc.num_pages
+    page_bytes = kv_bytes_per_token(cfg) * cc.page_size
+    return max(1, int(_free_device_bytes() * cc.memory_fraction) // page_bytes)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, attn_impl: str | None = None):
+        # NOTE: arrays are committed to the device up front. A step's outputs are committed, and jit keys its
+        # cache on committedness, so uncommitted first inputs would compile every bucket a second time.
+        device = jax.devices()[0]
+        self.cfg, self.cc, self.attn_impl = cfg, cache, attn_impl
+        self.params = jax.device_put(params, device)
+        self.num_pages = size_pool(cfg, cache)
+        shape = (self.num_pages, cache.page_size, cfg.num_kv_heads, cfg.head_dim)
+        zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype), device=device)
+        self.kv: KVPools = [(zeros.copy(), zeros.copy()) for _ in range(cfg.num_layers)]
+        self.seq_buckets = power_of_two_buckets(min(8, cache.max_num_seqs), cache.max_num_seqs)
+        self.token_buckets = power_of_two_buckets(min(32, cache.max_num_batched_tokens), cache.max_num_batched_tokens)
+        log.info(
+            "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB); up to %d sequences of %d tokens",
+            self.num_pages, cache.page_size, self.num_pages * cache.page_size,
+            self.num_pages * cache.page_size * kv_bytes_per_token(cfg) / 2**20,
+            cache.max_num_seqs, cache.max_model_len,
+        )  # fmt: skip
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_pages * self.cc.page_size
+
+    def bucket_for(self, num_seqs: int, num_tokens: int) -> tuple[bool, int, int]:
+        """(decode_only, T, S) of the compiled step that serves this batch."""
+        if num_tokens == num_seqs:
+            s = pick_bucket(num_seqs, self.seq_buckets)
+            return True, s, s
+        return False, pick_bucket(num_tokens, self.token_buckets), self.cc.max_num_seqs
+
+    def run(self, chunks: list) -> tuple[np.ndarray, jax.Array]:
+        """Runs one step over SeqChunks; returns sampled tokens (host, one per chunk) and the device logits."""
+        decode_only, t, s = self.bucket_for(len(chunks), sum(len(c.token_ids) for c in chunks))
+        inp = pack(chunks, t, s, self.cc.pages_per_seq, self.cc.page_size)
+        tokens, lg, self.kv = paged_step(self.params, self.cfg, self.kv, inp, decode_only, self.attn_impl)
+        return np.asarray(tokens)[: len(chunks)], lg
+
+    def warmup(self) -> float:
+        """Compiles every bucket by running all-padding steps (they write nothing). Returns seconds taken."""
+        t0 = time.perf_counter()
+        shapes = [(True, s, s) for s in self.seq_buckets] + [
+            (False, t, self.cc.max_num_seqs) for t in self.token_buckets
+        ]
+        for decode_only, t, s in shapes:
+            inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
+            tokens, _, self.kv = paged_step(self.params, self.cfg, self.kv, inp, decode_only, self.attn_impl)
+        jax.block_until_ready(tokens)
+        return time.perf_counter() - t0

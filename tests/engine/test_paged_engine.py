@@ -1,0 +1,103 @@
+"""The paged engine path against the foundation's contiguous generator, on both PyPI models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.runner import CacheConfig, compile_count
+from jaxinfer.generate import generate_tokens
+from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
+from jaxinfer.types import SamplingParams
+from jaxinfer.weights import load_weights
+
+NEW = 12
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def model(request):
+    path = smollm2_gguf() if request.param == "smollm2" else gemma3_270m_gguf()
+    cfg, params, _ = load_weights(path)
+    rng = np.random.default_rng(0)
+    # Lengths straddle page edges (page sizes 8 and 16) and one exceeds the token budget, so it is chunked.
+    prompts = [rng.integers(3, 1000, n).tolist() for n in (1, 7, 16, 17, 45, 70)]
+    return cfg, params, prompts, generate_tokens(params, cfg, prompts, NEW)
+
+
+@pytest.mark.parametrize(
+    "page_size, budget, max_seqs",
+    [(8, 32, 8), (16, 64, 4)],
+)
+def test_paged_equals_contiguous(model, page_size, budget, max_seqs):
+    cfg, params, prompts, ref = model
+    cc = CacheConfig(page_size=page_size, num_pages=64, max_model_len=128, max_num_seqs=max_seqs,
+                     max_num_batched_tokens=budget)  # fmt: skip
+    eng = Engine(cfg, params, cc)
+    outs = eng.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_preemption_keeps_outputs(model):
+    """A pool too small for all requests at once: requests are preempted and recomputed, outputs unchanged."""
+    cfg, params, prompts, ref = model
+    cc = CacheConfig(page_size=8, num_pages=14, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32)
+    eng = Engine(cfg, params, cc)
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    reqs = [eng.requests[i] for i in ids]
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    assert [done[i] for i in ids] == ref
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_steady_workload_compiles_nothing_after_warmup(model):
+    cfg, params, prompts, _ = model
+    cc = CacheConfig(page_size=8, num_pages=96, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    eng = Engine(cfg, params, cc)
+    eng.runner.warmup()
+    before = compile_count()
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        batch = [prompts[i] for i in rng.permutation(len(prompts))[:4]]
+        sp = [SamplingParams(max_tokens=int(rng.integers(1, 8)), temperature=float(rng.choice([0.0, 0.8])), seed=i)
+              for i in range(len(batch))]  # fmt: skip
+        eng.generate(batch, sp)
+    assert compile_count() == before
+
+
+def test_abort_returns_pages(model):
+    cfg, params, prompts, _ = model
+    eng = Engine(cfg, params, CacheConfig(page_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
+                                          max_num_batched_tokens=32))  # fmt: skip
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    eng.step()
+    eng.step()
+    for i in ids[::2]:
+        eng.abort(i)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_bad_requests_are_rejected(model):
+    cfg, params, prompts, _ = model
+    eng = Engine(cfg, params, CacheConfig(page_size=8, num_pages=8, max_model_len=128, max_num_seqs=4,
+                                          max_num_batched_tokens=32))  # fmt: skip
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="maximum context"):
+        eng.add_request([1] * 120, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="pool holds"):
+        eng.add_request([1] * 60, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request([cfg.vocab_size], GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    assert eng.allocator.num_free == eng.allocator.num_pages
