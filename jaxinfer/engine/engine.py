@@ -30,7 +30,7 @@ class Engine:
             cache = CacheConfig(**{**cache.__dict__, "max_model_len": cfg.max_position_embeddings})
         self.cfg, self.cc = cfg, cache
         self.runner = ModelRunner(cfg, params, cache, attn_impl)
-        self.allocator = PageAllocator(self.runner.num_pages, cache.page_size)
+        self.allocator = PageAllocator(self.runner.num_pages, cache.page_size, cache.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.allocator, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len
         )
@@ -105,6 +105,7 @@ class Engine:
             if req.num_computed < len(req.prompt_token_ids):
                 self.num_prefilled_tokens += min(s.num_new, len(req.prompt_token_ids) - req.num_computed)
             req.num_computed += s.num_new
+            self.scheduler.commit(req)
             if not samples:
                 continue
             req.output_token_ids.append(int(tok))

@@ -112,6 +112,7 @@ class CacheConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256  # token budget of a mixed step
+    enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_model_len < 1 or self.max_num_seqs < 1:

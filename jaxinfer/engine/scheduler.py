@@ -44,6 +44,29 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.alloc.free(req.pages)
         req.pages = []
+        req.block_hashes = []
+
+    def _match_prefix(self, req: Request) -> None:
+        """Starts a fresh request on the cached pages of its longest cached prefix. At least one token is left
+        to compute: its logits give the next token."""
+        max_blocks = (req.num_tokens - 1) // self.alloc.page_size
+        pages, hashes = self.alloc.match_prefix(req.tokens(0, max_blocks * self.alloc.page_size), max_blocks)
+        req.pages, req.block_hashes = pages, hashes
+        req.num_computed = len(pages) * self.alloc.page_size
+        req.num_cached_tokens = min(req.num_computed, len(req.prompt_token_ids))
+
+    def commit(self, req: Request) -> None:
+        """Registers the request's newly completed full pages in the prefix cache (after a step ran)."""
+        ps = self.alloc.page_size
+        for j in range(len(req.block_hashes), req.num_computed // ps):
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.append(self.alloc.register(req.pages[j], parent, req.tokens(j * ps, (j + 1) * ps)))
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """An n > 1 sibling still computing the shared prompt: wait for it and then reuse its pages."""
+        return req.group is not None and any(
+            r.group == req.group and r.num_computed < len(r.prompt_token_ids) for r in self.running
+        )
 
     def finish(self, req: Request, reason: str) -> None:
         """Ends a request wherever it is (running, waiting) and returns its pages."""
@@ -92,12 +115,18 @@ class Scheduler:
             out.append(ScheduledSeq(req, n))
             scheduled.add(id(req))
             budget -= n
-        while self.waiting and budget > 0 and len(out) < self.max_num_seqs:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget == 0 or len(out) == self.max_num_seqs:
+                break
+            if self._sibling_prefilling(req):
+                continue
+            self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._reserve(req, req.num_computed + n):
+                self._release(req)  # give the prefix hits back; the request keeps its place in the queue
+                req.num_computed = 0
                 break  # new work never preempts running work
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
             out.append(ScheduledSeq(req, n))
