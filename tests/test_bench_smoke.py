@@ -1,0 +1,49 @@
+"""Smoke test of benchmarks/bench_attention.py: a --quick run on CPU writes the JSON it promises.
+
+Not a performance test (no timing is compared to anything); it only keeps the benchmark runnable as the
+kernels_pallas API evolves. A few seconds, most of it XLA compilation of the tiny shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from benchmarks import bench_attention
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="expected impls and runtime are pinned for CPU")
+def test_quick_run_writes_expected_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "results.json"
+    assert bench_attention.main(["--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "== decode" in printed and "== ragged prefill" in printed
+
+    res = json.loads(out.read_text())
+    meta = res["meta"]
+    assert meta["device_kind"] and meta["platform"] == "cpu"
+    assert meta["jax_version"] == jax.__version__ and meta["date"]
+    cfg = meta["config"]
+    quick = bench_attention.QUICK_DEFAULTS
+
+    # On CPU the dispatcher only has the reference; xla_dense is the contiguous-cache baseline.
+    decode_keys = {(r["impl"], r["batch"], r["context"]) for r in res["decode"]}
+    expected = {(impl, b, c) for impl in ("reference", "xla_dense") for b in cfg["batch"] for c in cfg["context"]}
+    assert decode_keys == expected and len(res["decode"]) == len(expected)
+    assert cfg["batch"] == [int(x) for x in quick["batch"].split(",")]
+    for r in res["decode"]:
+        assert r["kernel"] == r["impl"]
+        for field in ("median_s", "min_s", "compile_s", "gb_per_s", "bytes", "mean_len", "speedup_vs_reference"):
+            assert r[field] > 0, (field, r)
+        assert 0.875 * r["context"] - 1 <= r["mean_len"] <= r["context"]
+        assert r["max_abs_diff_vs_reference"] < 0.05  # bf16 outputs of O(1) values; catches garbage
+    assert all(r["speedup_vs_reference"] == 1.0 for r in res["decode"] if r["impl"] == "reference")
+
+    prefill_keys = {(r["impl"], r["num_seqs"], r["q_len"]) for r in res["prefill"]}
+    assert prefill_keys == {("reference", s, n) for s in cfg["prefill_seqs"] for n in cfg["prefill_len"]}
+    for r in res["prefill"]:
+        for field in ("median_s", "compile_s", "tokens_per_s", "tflop_per_s", "flops", "num_tokens"):
+            assert r[field] > 0, (field, r)
