@@ -7,9 +7,7 @@ A step packs the new tokens of up to `num_seqs` sequences into one token axis:
     query_start_loc                      i32[S + 1]  cumulative count of new tokens per sequence
     num_seqs                             i32[]
     logits_indices                       i32[S]      packed index of each sequence's last new token
-    temperature                          f32[S]      0 = greedy
-    seeds                                u32[S]      per-request seed; with `sample_counter` it keys the draw, so
-    sample_counter                       i32[S]      a seeded request samples the same whatever else is batched
+Sampling parameters travel beside these, in `jaxinfer.sampling.SamplingTensors` with the same S rows.
 T and S are rounded up to buckets, so a steady workload reuses a small, fixed set of compiled programs.
 """
 
@@ -32,9 +30,6 @@ class StepInputs:
     query_start_loc: np.ndarray
     num_seqs: np.ndarray
     logits_indices: np.ndarray
-    temperature: np.ndarray
-    seeds: np.ndarray
-    sample_counter: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -72,9 +67,6 @@ class SeqChunk:
     token_ids: list[int]  # the new tokens
     start: int  # absolute position of the first new token
     pages: list[int]  # the sequence's pages, covering start + len(token_ids) tokens
-    temperature: float = 0.0
-    seed: int = 0
-    sample_counter: int = 0
 
 
 def pack(chunks: list[SeqChunk], num_tokens: int, max_seqs: int, pages_per_seq: int, page_size: int) -> StepInputs:
@@ -89,9 +81,6 @@ def pack(chunks: list[SeqChunk], num_tokens: int, max_seqs: int, pages_per_seq: 
     ctx = np.zeros(max_seqs, np.int32)
     qsl = np.zeros(max_seqs + 1, np.int32)
     logits_idx = np.zeros(max_seqs, np.int32)
-    temp = np.zeros(max_seqs, np.float32)
-    seeds = np.zeros(max_seqs, np.uint32)
-    counter = np.zeros(max_seqs, np.int32)
     off = 0
     for i, c in enumerate(chunks):
         n = len(c.token_ids)
@@ -104,7 +93,6 @@ def pack(chunks: list[SeqChunk], num_tokens: int, max_seqs: int, pages_per_seq: 
         ctx[i] = c.start + n
         qsl[i + 1] = off + n
         logits_idx[i] = off + n - 1
-        temp[i], seeds[i], counter[i] = c.temperature, c.seed, c.sample_counter
         off += n
     qsl[len(chunks) + 1 :] = off
-    return StepInputs(tok, pos, slots, table, ctx, qsl, np.int32(len(chunks)), logits_idx, temp, seeds, counter)
+    return StepInputs(tok, pos, slots, table, ctx, qsl, np.int32(len(chunks)), logits_idx)

@@ -1,30 +1,111 @@
-"""Host-only vocabulary shared by the scheduler, engine and server (no jax import)."""
+"""Host-only vocabulary shared by the scheduler, engine, offline API and server (no jax import)."""
 
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} {msg}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings, named as vLLM names them. Only settings we honour exist here."""
+    """Per-request generation settings under vLLM's names. Every field is honoured; there is no field we ignore.
 
+    Stop conditions: EOS (unless ignore_eos), any of stop_token_ids, any of the stop strings (the text never
+    shows the stop string unless include_stop_str_in_output), max_tokens, the context length.
+    """
+
+    n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # number of top alternatives per generated token (0: only the sampled token)
+    prompt_logprobs: int | None = None  # same, for every prompt token
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def num(name: str) -> float:
+            v = getattr(self, name)
+            _check(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v), name,
+                   f"must be a finite number, got {v!r}")  # fmt: skip
+            return float(v)
+
+        _check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               f"must be an integer >= 1, got {self.max_tokens!r}")  # fmt: skip
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")  # fmt: skip
+        _check(num("temperature") >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < num("top_p") <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(
+            is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be -1, 0 or a positive integer, got {self.top_k!r}"
+        )
+        _check(0 <= num("min_p") <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(num("repetition_penalty") > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        _check(
+            -2 <= num("presence_penalty") <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}"
+        )
+        _check(-2 <= num("frequency_penalty") <= 2, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")  # fmt: skip
+        if self.seed is not None:
+            _check(
+                is_int(self.seed) and 0 <= self.seed < 2**32,
+                "seed",
+                f"must be an integer in [0, 2**32), got {self.seed!r}",
+            )
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        _check(all(isinstance(s, str) and s for s in stop), "stop", "must be a non-empty string or a list of them")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids or ())
+        _check(all(is_int(t) and t >= 0 for t in ids), "stop_token_ids", "must be non-negative integers")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.logit_bias is not None:
+            bias = {}
+            for k, v in dict(self.logit_bias).items():
+                _check(str(k).lstrip("-").isdigit(), "logit_bias", f"keys must be token ids, got {k!r}")
+                _check(isinstance(v, int | float) and -100 <= v <= 100, "logit_bias",
+                       f"values must be in [-100, 100], got {v!r}")  # fmt: skip
+                bias[int(k)] = float(v)
+            object.__setattr__(self, "logit_bias", bias)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                _check(is_int(v) and 0 <= v <= 20, name, f"must be an integer in [0, 20], got {v!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def needs_advanced(self) -> bool:
+        """Penalties or biases: these need the token history and bias tables on device."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
 
 
 class Status(enum.Enum):
@@ -35,16 +116,22 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
+    """One sequence being generated (an n > 1 request is n of these in one group)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    seed: int  # the request's own seed, drawn by the engine when params.seed is None
+    seed: int  # the sequence's own seed, drawn by the engine when params.seed is None
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)  # when params.logprobs is set
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -61,14 +148,57 @@ class Request:
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        return [self.token(i) for i in range(start, stop)]
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+
+@dataclass
+class SeqUpdate:
+    """What one engine step did to one sequence: its new tokens (and their logprobs), and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_cached_tokens: int = 0
 
 
 @dataclass
 class RequestOutput:
+    """vLLM-shaped result of one request: one CompletionOutput per sample (n)."""
+
     request_id: str
+    prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: str | None
-    text: str = ""
+    metrics: RequestMetrics | None = None

@@ -1,4 +1,7 @@
-"""The engine loop: schedule -> run -> update. Synchronous; the async server wrapper sits on top of it."""
+"""The engine loop: schedule -> run -> update. Token ids in, token ids out; text lives a layer above.
+
+Synchronous and single-threaded: `LLM` drives it directly, `AsyncEngine` from a background thread.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.runner import CacheConfig, ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model.transformer import Params
+from jaxinfer.sampling import RowSampling
 from jaxinfer.step import SeqChunk
-from jaxinfer.types import Request, RequestOutput, SamplingParams, Status
+from jaxinfer.types import Request, SamplingParams, SeqUpdate, Status
 
 
 class Engine:
@@ -24,6 +28,7 @@ class Engine:
         cache: CacheConfig | None = None,
         eos_token_ids: Sequence[int] = (),
         attn_impl: str | None = None,
+        seed: int | None = None,
     ):
         cache = cache or CacheConfig()
         if cache.max_model_len > cfg.max_position_embeddings:
@@ -35,101 +40,172 @@ class Engine:
             self.allocator, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len
         )
         self.eos_token_ids = tuple(eos_token_ids)
-        self.requests: dict[str, Request] = {}
+        self.seqs: dict[str, Request] = {}  # live sequences by sequence id
+        self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids (n of them)
         self._ids = itertools.count()
-        self._rng = random.Random()
+        self._rng = random.Random(seed)
+        # Counters for metrics and tests.
         self.num_prefilled_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_steps = 0
 
-    def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> str:
+    # ------------------------------------------------------------------------------------------ requests
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """Raises ValueError naming the problem; returns the prompt as a list of ints."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("prompt: needs at least one token")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be in [0, {self.cfg.vocab_size})")
-        total = len(prompt) + params.max_tokens
-        if total > self.cc.max_model_len:
+        if len(prompt) + params.max_tokens > self.cc.max_model_len:
             raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum context "
-                f"length {self.cc.max_model_len}"
+                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
+                f"context length {self.cc.max_model_len}"
             )
-        if self.allocator.pages_for(total) > self.allocator.num_pages:
-            raise ValueError(f"request needs {total} tokens of KV cache; the pool holds {self.runner.num_kv_tokens}")
+        if self.allocator.pages_for(len(prompt) + params.max_tokens) > self.allocator.num_pages:
+            raise ValueError(
+                f"max_tokens: the request needs {len(prompt) + params.max_tokens} tokens of KV cache; the pool holds "
+                f"{self.runner.num_kv_tokens}"
+            )
+        if params.logprobs is not None and params.logprobs > self.cc.max_logprobs:
+            raise ValueError(f"logprobs: at most {self.cc.max_logprobs} are supported, got {params.logprobs}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not supported by this engine yet")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            if any(not 0 <= t < self.cfg.vocab_size for t in ids):
+                raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size})")
+        bias = len(params.logit_bias or {}) + (len(self.eos_token_ids) + len(params.stop_token_ids)) * (
+            params.min_tokens > 0
+        )
+        if bias > self.cc.logit_bias_capacity:
+            raise ValueError(f"logit_bias: at most {self.cc.logit_bias_capacity} entries are supported, got {bias}")
+        return prompt
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queues a request (n sequences when params.n > 1, sharing the prompt's pages); returns its id."""
+        prompt = self.validate(prompt_token_ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
+        if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        req = Request(rid, prompt, params, seed)
-        self.requests[rid] = req
-        self.scheduler.add(req)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        sids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
+        now = time.monotonic()
+        for i, sid in enumerate(sids):
+            req = Request(sid, prompt, params, (base_seed + i) % 2**32, arrival_time=now,
+                          group=rid if params.n > 1 else None)  # fmt: skip
+            self.seqs[sid] = req
+            self.scheduler.add(req)
+        self.groups[rid] = sids
         return rid
 
     def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
+        """Ends a request (all its sequences) wherever it is; its pages return to the pool at once."""
+        for sid in self.groups.pop(request_id, []):
+            req = self.seqs.pop(sid, None)
+            if req is not None and req.status is not Status.FINISHED:
+                self.scheduler.finish(req, "abort")
+
+    def finish_sequence(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        """Ends one sequence early (a stop string found by the detokenizer)."""
+        req = self.seqs.pop(seq_id, None)
         if req is not None and req.status is not Status.FINISHED:
-            self.scheduler.finish(req, "abort")
+            self.scheduler.finish(req, reason)
+            req.stop_reason = stop_reason
+            req.finish_time = time.monotonic()
+        self._forget_group(req)
+
+    def _forget_group(self, req: Request | None) -> None:
+        if req is None:
+            return
+        rid = req.group or req.request_id
+        if all(s not in self.seqs for s in self.groups.get(rid, [])):
+            self.groups.pop(rid, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cc.max_model_len:
-            return "length"
-        return None
+    # ------------------------------------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestOutput]:
+    def _row(self, req: Request) -> RowSampling:
+        p = req.params
+        bias = dict(p.logit_bias or {})
+        if len(req.output_token_ids) < p.min_tokens:  # min_tokens: the stop ids are banned until then
+            banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
+            bias.update({t: float("-inf") for t in banned})
+        return RowSampling(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=req.seed,
+            counter=len(req.output_token_ids), repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids, logit_bias=bias,
+        )  # fmt: skip
+
+    def _stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
+        # Before min_tokens the stop ids carry a -inf bias, so they cannot be sampled here.
+        p = req.params
+        if token in p.stop_token_ids:
+            return "stop", token
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cc.max_model_len:
+            return "length", None
+        return None, None
+
+    def step(self) -> list[SeqUpdate]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        chunks = [
-            SeqChunk(
-                s.req.tokens(s.req.num_computed, s.req.num_computed + s.num_new),
-                s.req.num_computed,
-                s.req.pages,
-                s.req.params.temperature,
-                s.req.seed,
-                len(s.req.output_token_ids),
-            )
-            for s in batch
-        ]
-        tokens, _ = self.runner.run(chunks)
         now = time.monotonic()
-        outputs = []
-        for s, tok in zip(batch, tokens, strict=True):
+        chunks = []
+        for s in batch:
+            r = s.req
+            r.first_scheduled_time = r.first_scheduled_time or now
+            chunks.append(SeqChunk(r.tokens(r.num_computed, r.num_computed + s.num_new), r.num_computed, r.pages))
+        out = self.runner.run(chunks, [self._row(s.req) for s in batch])
+        self.num_steps += 1
+        now = time.monotonic()
+        updates = []
+        for i, s in enumerate(batch):
             req = s.req
             samples = s.samples
-            if req.num_computed < len(req.prompt_token_ids):
-                self.num_prefilled_tokens += min(s.num_new, len(req.prompt_token_ids) - req.num_computed)
+            self.num_prefilled_tokens += max(
+                0, min(req.num_computed + s.num_new, len(req.prompt_token_ids)) - req.num_computed
+            )
             req.num_computed += s.num_new
             self.scheduler.commit(req)
             if not samples:
                 continue
-            req.output_token_ids.append(int(tok))
+            tok = int(out.token_ids[i])
+            req.output_token_ids.append(tok)
+            self.num_generated_tokens += 1
+            lp: list[dict[int, float]] = []
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                entry = {tok: float(out.logprobs[i])}
+                entry.update(
+                    {int(t): float(v) for t, v in zip(out.top_ids[i, :k], out.top_logprobs[i, :k], strict=True)}
+                )
+                req.output_logprobs.append(entry)
+                lp = [entry]
             req.first_token_time = req.first_token_time or now
-            reason = self._stop_reason(req, int(tok))
+            reason, stop_reason = self._stop(req, tok)
             if reason:
                 self.scheduler.finish(req, reason)
-                req.finish_time = now
-                self.requests.pop(req.request_id, None)
-            outputs.append(
-                RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), reason is not None,
-                              reason)
-            )  # fmt: skip
-        return outputs
+                req.stop_reason, req.finish_time = stop_reason, now
+                self.seqs.pop(req.request_id, None)
+                self._forget_group(req)
+            updates.append(SeqUpdate(req.request_id, [tok], lp, reason is not None, reason, stop_reason))
+        return updates
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[RequestOutput]:
-        """Runs a batch of token-id prompts to completion; outputs in prompt order."""
+    ) -> list[list[Request]]:
+        """Runs token-id prompts to completion; for each prompt, its finished sequences (n of them)."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        final: dict[str, RequestOutput] = {}
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        seqs = {rid: [self.seqs[s] for s in self.groups[rid]] for rid in rids}
         while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+            self.step()
+        return [seqs[rid] for rid in rids]

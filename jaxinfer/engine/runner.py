@@ -18,11 +18,18 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import kernels_pallas
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.transformer import Params, forward, logits
+from jaxinfer.sampling import (
+    RowSampling,
+    SampleOutput,
+    SamplingTensors,
+    build_sampling_tensors,
+    needs_advanced,
+    sample,
+)
 from jaxinfer.step import StepInputs, pack, pick_bucket, power_of_two_buckets
 
 log = logging.getLogger(__name__)
@@ -64,16 +71,6 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
 # ---------------------------------------------------------------------------------------------- the step
 
 
-def _sample(lg: jax.Array, temperature: jax.Array, seeds: jax.Array, counter: jax.Array) -> jax.Array:
-    """lg f32[S, V] -> i32[S]. Greedy where temperature == 0; otherwise a draw keyed by (seed, counter) only,
-    so a seeded request's tokens do not depend on its batch neighbours."""
-    greedy = jnp.argmax(lg, axis=-1)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counter)
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, lg / t)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
-
-
 def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: str | None):
     def attend(i: int, q, k, v, pools):
         kp, vp = kernels_pallas.write_kv(pools[0], pools[1], k[0], v[0], inp.slot_mapping)
@@ -89,16 +86,24 @@ def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: st
     return attend
 
 
-@partial(jax.jit, static_argnames=("cfg", "decode_only", "impl"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("cfg", "decode_only", "advanced", "num_logprobs", "impl"), donate_argnames=("kv",))
 def paged_step(
-    params: Params, cfg: ModelConfig, kv: KVPools, inp: StepInputs, decode_only: bool, impl: str | None = None
-) -> tuple[jax.Array, jax.Array, KVPools]:
-    """One engine step. Returns (sampled tokens i32[S], logits f32[S, V] of each sequence's last token, pools)."""
+    params: Params,
+    cfg: ModelConfig,
+    kv: KVPools,
+    inp: StepInputs,
+    st: SamplingTensors,
+    decode_only: bool,
+    advanced: bool,
+    num_logprobs: int | None,
+    impl: str | None = None,
+) -> tuple[SampleOutput, KVPools]:
+    """One engine step: forward over the packed tokens, then one sampled token per sequence, on device."""
     hidden, kv = forward(
         params, cfg, inp.token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl)
     )
-    lg = logits(params, cfg, hidden[0][inp.logits_indices])
-    return _sample(lg, inp.temperature, inp.seeds, inp.sample_counter), lg, kv
+    lg = logits(params, cfg, hidden[0][inp.logits_indices])  # f32[S, V]
+    return sample(lg, st, advanced=advanced, num_logprobs=num_logprobs), kv
 
 
 # ---------------------------------------------------------------------------------------------- runner
@@ -113,6 +118,8 @@ class CacheConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256  # token budget of a mixed step
     enable_prefix_cache: bool = True
+    max_logprobs: int = 20  # top alternatives computed every step (vLLM's max_logprobs)
+    logit_bias_capacity: int = 512  # logit_bias entries per request, min_tokens' stop-id bans included
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_model_len < 1 or self.max_num_seqs < 1:
@@ -179,21 +186,33 @@ class ModelRunner:
             return True, s, s
         return False, pick_bucket(num_tokens, self.token_buckets), self.cc.max_num_seqs
 
-    def run(self, chunks: list) -> tuple[np.ndarray, jax.Array]:
-        """Runs one step over SeqChunks; returns sampled tokens (host, one per chunk) and the device logits."""
+    def run(self, chunks: list, rows: list[RowSampling]) -> SampleOutput:
+        """Runs one step over SeqChunks with one RowSampling each; returns the host SampleOutput, one row per chunk."""
         decode_only, t, s = self.bucket_for(len(chunks), sum(len(c.token_ids) for c in chunks))
         inp = pack(chunks, t, s, self.cc.pages_per_seq, self.cc.page_size)
-        tokens, lg, self.kv = paged_step(self.params, self.cfg, self.kv, inp, decode_only, self.attn_impl)
-        return np.asarray(tokens)[: len(chunks)], lg
+        advanced = needs_advanced(rows)
+        st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
+        out, self.kv = self._step(inp, st, decode_only, advanced)
+        out = jax.device_get(out)  # the step's one device-to-host transfer
+        n = len(chunks)
+        return SampleOutput(out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n])
 
-    def warmup(self) -> float:
-        """Compiles every bucket by running all-padding steps (they write nothing). Returns seconds taken."""
+    def _step(self, inp: StepInputs, st: SamplingTensors, decode_only: bool, advanced: bool):
+        return paged_step(
+            self.params, self.cfg, self.kv, inp, st, decode_only, advanced, self.cc.max_logprobs, self.attn_impl
+        )
+
+    def warmup(self, advanced: bool = True) -> float:
+        """Compiles every bucket (and the penalties/bias variant) by running all-padding steps, which write
+        nothing. Returns the seconds taken."""
         t0 = time.perf_counter()
         shapes = [(True, s, s) for s in self.seq_buckets] + [
             (False, t, self.cc.max_num_seqs) for t in self.token_buckets
         ]
-        for decode_only, t, s in shapes:
-            inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
-            tokens, _, self.kv = paged_step(self.params, self.cfg, self.kv, inp, decode_only, self.attn_impl)
-        jax.block_until_ready(tokens)
+        for adv in (False, True) if advanced else (False,):
+            for decode_only, t, s in shapes:
+                inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
+                st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
+                out, self.kv = self._step(inp, st, decode_only, adv)
+        jax.block_until_ready(out)
         return time.perf_counter() - t0

@@ -36,7 +36,7 @@ def test_paged_equals_contiguous(model, page_size, budget, max_seqs):
                      max_num_batched_tokens=budget)  # fmt: skip
     eng = Engine(cfg, params, cc)
     outs = eng.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == ref
+    assert [o[0].output_token_ids for o in outs] == ref
     assert eng.allocator.num_free == eng.allocator.num_pages
 
 
@@ -45,14 +45,9 @@ def test_preemption_keeps_outputs(model):
     cfg, params, prompts, ref = model
     cc = CacheConfig(page_size=8, num_pages=14, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32)
     eng = Engine(cfg, params, cc)
-    ids = [eng.add_request(p, GREEDY) for p in prompts]
-    reqs = [eng.requests[i] for i in ids]
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o.token_ids
-    assert [done[i] for i in ids] == ref
+    outs = eng.generate(prompts, GREEDY)
+    reqs = [o[0] for o in outs]
+    assert [r.output_token_ids for r in reqs] == ref
     assert sum(r.num_preemptions for r in reqs) > 0
     assert eng.allocator.num_free == eng.allocator.num_pages
 
@@ -110,12 +105,12 @@ def test_prefix_cache_prefills_only_the_suffix(model):
     a, b = shared + [7, 8, 9], shared + [11, 12]
     cold = Engine(cfg, params, CacheConfig(page_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
                                            max_num_batched_tokens=64, enable_prefix_cache=False))  # fmt: skip
-    ref_b = cold.generate([b], GREEDY)[0].token_ids
+    ref_b = cold.generate([b], GREEDY)[0][0].output_token_ids
     eng = Engine(cfg, params, CacheConfig(page_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
                                           max_num_batched_tokens=64))  # fmt: skip
     eng.generate([a], GREEDY)
     before = eng.num_prefilled_tokens
-    out_b = eng.generate([b], GREEDY)[0].token_ids
+    out_b = eng.generate([b], GREEDY)[0][0].output_token_ids
     assert eng.num_prefilled_tokens - before == len(b) - 40  # 5 full pages of 8 were reused
     assert out_b == ref_b
     assert eng.allocator.hit_tokens == 40
@@ -129,6 +124,6 @@ def test_prefix_cache_eviction_under_pressure(model):
     # Forward then backward: the backward pass starts with the most recent prompts, which survived eviction.
     order = list(range(len(prompts))) + list(range(len(prompts)))[::-1]
     for i in order:
-        assert eng.generate([prompts[i]], GREEDY)[0].token_ids == ref[i]
+        assert eng.generate([prompts[i]], GREEDY)[0][0].output_token_ids == ref[i]
     assert eng.allocator.num_free == eng.allocator.num_pages
     assert 0 < eng.allocator.hit_tokens

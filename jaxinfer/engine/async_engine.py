@@ -1,0 +1,154 @@
+"""An asyncio front for the engine: the engine loop runs in a background thread; callers stream outputs.
+
+    async for out in engine.generate(prompt_ids, params, request_id):   # cumulative RequestOutputs
+        ...
+
+Leaving the `async for` early (a client disconnect cancels the task) aborts the request, and its pages return
+to the pool on the engine thread's next turn. Only the engine thread touches the Engine; other threads talk to
+it through a command queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.output import OutputProcessor
+from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.types import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread died; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_waiting: int | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_waiting = max_waiting
+        self.processor = OutputProcessor(tokenizer)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------ caller side
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        return self.engine.validate(prompt_ids, params)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams cumulative outputs of one request until it finishes. Raises ValueError for a bad request."""
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        ids = self.engine.validate(prompt_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _send(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # ------------------------------------------------------------------------------------------ engine thread
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+                pass
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, ids, params = cmd
+                try:
+                    self.engine.add_request(ids, params, rid)
+                    self.processor.add(rid, prompt, ids, params)
+                except Exception as e:  # validated already; a race (duplicate id) still must not kill the loop
+                    self._deliver(rid, e)
+            elif cmd[0] == "abort":
+                self.engine.abort(cmd[1])
+                self.processor.forget(cmd[1])
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                outs, to_stop = self.processor.process(self.engine.step())
+                for sid, reason in to_stop:
+                    self.engine.finish_sequence(sid, "stop", reason)
+                for out in outs:
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # surface the failure to every waiting caller instead of hanging them
+            log.exception("engine loop died")
+            self.error = e
+            with self._lock:
+                rids = list(self._streams)
+            for rid in rids:
+                self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))

@@ -1,0 +1,200 @@
+"""The offline API for research code and notebooks, shaped like vLLM's:
+
+    from jaxinfer import LLM, SamplingParams
+    with LLM("smollm2-135m-instruct") as llm:
+        outs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32, temperature=0.8, seed=0))
+        print(outs[0].outputs[0].text)
+
+`close()` (or leaving the `with` block) frees every device buffer the model held, so a notebook can load another
+model without restarting.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from tqdm.auto import tqdm
+
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.output import OutputProcessor
+from jaxinfer.engine.runner import CacheConfig
+from jaxinfer.model_files import DEFAULT_MODEL
+from jaxinfer.types import RequestOutput, SamplingParams
+from jaxinfer.weights import load_model
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_kv_tokens: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enable_prefix_caching: bool = True,
+        max_logprobs: int = 20,
+        seed: int | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        attn_impl: str | None = None,
+        warmup: bool = False,
+    ):
+        if tensor_parallel_size != 1 or data_parallel_size != 1:
+            raise ValueError("tensor_parallel_size/data_parallel_size: only 1 is supported so far")
+        loaded = load_model(model, dtype=dtype)
+        cfg = loaded.config
+        self.model = model
+        self.tokenizer = loaded.tokenizer
+        if self.tokenizer is None:
+            raise ValueError(f"model {model!r} has no tokenizer")
+        max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
+            )
+        cache = CacheConfig(
+            page_size=block_size,
+            num_pages=-(-num_kv_tokens // block_size) if num_kv_tokens else None,
+            memory_fraction=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(256, max_num_seqs),
+            enable_prefix_cache=enable_prefix_caching,
+            max_logprobs=max_logprobs,
+        )
+        self.engine = Engine(cfg, loaded.params, cache, self.tokenizer.eos_token_ids, attn_impl, seed)
+        del loaded
+        self.processor = OutputProcessor(self.tokenizer)
+        self._counter = 0
+        self.warmup_seconds = self.engine.runner.warmup() if warmup else None
+
+    # ------------------------------------------------------------------------------------------ API
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompts: expected text, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (continuously batched); outputs in prompt order."""
+        if self.engine is None:
+            raise RuntimeError("this LLM is closed")
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        sampling_params = sampling_params or SamplingParams()
+        plist = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(plist) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(plist)} for {len(prompts)} prompts")
+        # Validate everything before queueing anything, so a bad prompt does not leave the others half-submitted.
+        items = []
+        for p, sp in zip(prompts, plist, strict=True):
+            text, ids = self._prompt_ids(p)
+            items.append((text, self.engine.validate(ids, sp), sp))
+        rids = []
+        for text, ids, sp in items:
+            rid = f"llm-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(ids, sp, rid)
+            self.processor.add(rid, text, ids, sp, time.monotonic())
+            rids.append(rid)
+        return self._run(rids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them, through the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            # The template already holds BOS where the model wants it.
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        pending = set(rids)
+        bar = tqdm(total=len(rids), desc="Generating", disable=not use_tqdm, unit="req")
+        try:
+            while pending:
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
+                outs, to_stop = self.processor.process(self.engine.step())
+                for sid, reason in to_stop:
+                    self.engine.finish_sequence(sid, "stop", reason)
+                for out in outs:
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            for rid in pending:  # an interrupted call (Ctrl-C in a notebook) must not leave pages behind
+                self.engine.abort(rid)
+                self.processor.forget(rid)
+            raise
+        finally:
+            bar.close()
+        return [final[r] for r in rids]
+
+    # ------------------------------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Frees the weights, the KV pools and the compiled steps. The object cannot generate afterwards."""
+        if self.engine is None:
+            return
+        runner = self.engine.runner
+        for x in jax.tree.leaves((runner.params, runner.kv)):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+        runner.params = runner.kv = None
+        self.engine = None
+        jax.clear_caches()
+        gc.collect()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

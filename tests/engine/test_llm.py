@@ -1,0 +1,218 @@
+"""The offline LLM API on the PyPI models: batching never changes results, sampling knobs are honoured."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.async_engine import AsyncEngine
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.runner import CacheConfig
+from jaxinfer.model import init_params
+from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
+
+TEXTS = [
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "Les fleurs du jardin sont",
+    "日本の首都は",
+    "Q: Why is the sky blue?\nA:",
+    "import numpy as np\n",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    with LLM(str(smollm2_gguf()), num_kv_tokens=8192, max_model_len=512, max_num_seqs=16,
+             max_num_batched_tokens=128) as llm:  # fmt: skip
+        yield llm
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_batched_greedy_equals_alone(which):
+    """64 mixed requests in one generate() give the same tokens as each request alone."""
+    path = smollm2_gguf() if which == "smollm2" else gemma3_270m_gguf()
+    rng = random.Random(0)
+    prompts = [" ".join(rng.sample(TEXTS, 2))[: rng.randint(5, 60)] for _ in range(64)]
+    lens = [rng.randint(1, 8) for _ in prompts]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in lens]
+    with LLM(str(path), num_kv_tokens=8192, max_model_len=256, max_num_seqs=32, max_num_batched_tokens=128) as llm:
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        alone = [
+            llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params, strict=False)
+        ]
+        assert together == alone
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+
+
+def test_seeded_sampling_ignores_batch(smol):
+    sp = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    alone = smol.generate(TEXTS[0], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=10, temperature=0.7, seed=i) for i in range(7)]
+    mixed = smol.generate(TEXTS[1:] + [TEXTS[0]], others + [sp], use_tqdm=False)[-1].outputs[0].token_ids
+    first = smol.generate([TEXTS[0]] + TEXTS[3:5], [sp] + others[:2], use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == mixed == first
+
+
+def test_n_samples_share_the_prompt(smol):
+    sp = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=7)
+    out = smol.generate(TEXTS[6] * 6, sp, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per sample
+    # Samples 1..3 reused the prompt pages computed by sample 0.
+    assert smol.engine.allocator.hit_tokens >= 3 * (len(out.prompt_token_ids) // 16) * 16
+    again = smol.generate(TEXTS[6] * 6, sp, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_stop_string_spanning_tokens(smol):
+    base = smol.generate(TEXTS[0], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    text = base.text
+    assert len(text) > 8
+    stop = text[3:9]  # spans token boundaries
+    out = smol.generate(TEXTS[0], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.text == text[:3] and c.finish_reason == "stop" and c.stop_reason == stop
+    inc = SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], include_stop_str_in_output=True)
+    assert smol.generate(TEXTS[0], inc, use_tqdm=False)[0].outputs[0].text == text[:9]
+
+
+def test_multibyte_text_streams_whole_characters(smol):
+    out = smol.generate(TEXTS[5], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    # Mid-text characters are never broken; only a character cut by max_tokens can end the text unfinished.
+    assert "\ufffd" not in out.text[:-1]
+    assert out.text == smol.tokenizer.decode(out.token_ids)
+
+
+def test_stop_token_ids_min_tokens_ignore_eos_and_logprobs(smol):
+    base = smol.generate(TEXTS[0], SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[3]
+    c = smol.generate(TEXTS[0], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_id]),
+                      use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert c.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1] and c.stop_reason == stop_id
+    eos = smol.tokenizer.eos_token_ids[0]
+    forced = SamplingParams(max_tokens=6, temperature=0.0, min_tokens=6, logit_bias={eos: 100.0})
+    c = smol.generate(TEXTS[0], forced, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) == 6 and eos not in c.token_ids  # min_tokens outranks a +100 bias on EOS
+    c = smol.generate(TEXTS[0], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={eos: 100.0},
+                                               ignore_eos=True), use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert c.token_ids == [eos] * 3 and c.finish_reason == "length"
+    c = smol.generate(TEXTS[0], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert len(c.logprobs) == 4
+    for tok, lp in zip(c.token_ids, c.logprobs, strict=False):
+        assert tok in lp and len(lp) == 3 and max(lp.values()) == lp[tok]  # greedy token is the top-1
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs, strict=False)))
+
+
+def test_penalties_change_greedy_output(smol):
+    prompt = "1, 2, 1, 2, 1, 2, 1, 2,"
+    plain = smol.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    pen = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.5)
+    c = smol.generate(prompt, pen, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids != plain.token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
+     ({"top_k": -2}, "top_k"), ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop"), ({"min_p": 2}, "min_p")],
+)  # fmt: skip
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_leave_nothing_behind(smol):
+    with pytest.raises(ValueError, match="max_tokens"):
+        smol.generate(["ok", "x" * 10], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=600)])
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        smol.generate("hi", SamplingParams(prompt_logprobs=1))
+    assert not smol.engine.has_unfinished()
+    assert smol.engine.allocator.num_free == smol.engine.allocator.num_pages
+
+
+def test_close_frees_device_memory():
+    before = len(jax.live_arrays())
+    llm = LLM(str(smollm2_gguf()), num_kv_tokens=1024, max_model_len=256, max_num_seqs=4)
+    assert len(jax.live_arrays()) > before
+    llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()
+    assert len(jax.live_arrays()) == before
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("Hi")
+
+
+# ---------------------------------------------------------------------------------------------- tiny random model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from jaxinfer.config import ModelConfig
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=256)  # fmt: skip
+    return cfg, init_params(cfg, seed=0, std=0.5)
+
+
+def test_thousand_requests_with_random_aborts_return_every_page(tiny):
+    cfg, params = tiny
+    eng = Engine(cfg, params, CacheConfig(page_size=4, num_pages=48, max_model_len=64, max_num_seqs=16,
+                                          max_num_batched_tokens=64), eos_token_ids=(0,))  # fmt: skip
+    rng = np.random.default_rng(0)
+    live: list[str] = []
+    for i in range(1000):
+        sp = SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=float(rng.choice([0.0, 1.0])),
+                            n=int(rng.choice([1, 1, 2])), seed=i)  # fmt: skip
+        live.append(eng.add_request(rng.integers(1, 64, int(rng.integers(1, 30))).tolist(), sp))
+        if rng.random() < 0.3:
+            eng.abort(live.pop(int(rng.integers(len(live)))))
+        if i % 4 == 0:
+            eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.allocator.num_free == eng.allocator.num_pages
+    assert not eng.seqs and not eng.groups
+
+
+def test_async_engine_streams_and_aborts(tiny):
+    from jaxinfer.tokenizer import load_tokenizer
+
+    cfg, params = tiny
+    eng = Engine(cfg, params, CacheConfig(page_size=4, num_pages=64, max_model_len=64, max_num_seqs=8,
+                                          max_num_batched_tokens=32))  # fmt: skip
+    tok = load_tokenizer(smollm2_gguf())  # any tokenizer: the tiny model's ids are < 64
+    ae = AsyncEngine(eng, tok)
+
+    async def main():
+        outs = []
+        async for o in ae.generate([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0), "a"):
+            outs.append(o)
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]
+
+        async def cut():
+            async for o in ae.generate([4, 5], SamplingParams(max_tokens=50, temperature=0.0), "b"):
+                if len(o.outputs[0].token_ids) == 2:
+                    break
+
+        await asyncio.gather(*(cut() for _ in range(1)))
+        with pytest.raises(ValueError, match="max_tokens"):
+            async for _ in ae.generate([1] * 10, SamplingParams(max_tokens=60), "c"):
+                pass
+
+    asyncio.run(main())
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        import time
+
+        time.sleep(0.05)
+    assert eng.allocator.num_free == eng.allocator.num_pages
+    ae.shutdown()
