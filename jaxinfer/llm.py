@@ -23,6 +23,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
 from jaxinfer.engine.runner import CacheConfig
 from jaxinfer.model_files import DEFAULT_MODEL
+from jaxinfer.sharding import make_mesh
 from jaxinfer.types import RequestOutput, SamplingParams
 from jaxinfer.weights import load_model
 
@@ -49,9 +50,10 @@ class LLM:
         attn_impl: str | None = None,
         warmup: bool = False,
     ):
-        if tensor_parallel_size != 1 or data_parallel_size != 1:
-            raise ValueError("tensor_parallel_size/data_parallel_size: only 1 is supported so far")
-        loaded = load_model(model, dtype=dtype)
+        if data_parallel_size != 1:
+            raise ValueError("data_parallel_size: only 1 is supported so far")
+        mesh = make_mesh(tensor_parallel_size, data_parallel_size) if tensor_parallel_size > 1 else None
+        loaded = load_model(model, dtype=dtype, mesh=mesh)
         cfg = loaded.config
         self.model = model
         self.tokenizer = loaded.tokenizer
@@ -72,7 +74,7 @@ class LLM:
             enable_prefix_cache=enable_prefix_caching,
             max_logprobs=max_logprobs,
         )
-        self.engine = Engine(cfg, loaded.params, cache, self.tokenizer.eos_token_ids, attn_impl, seed)
+        self.engine = Engine(cfg, loaded.params, cache, self.tokenizer.eos_token_ids, attn_impl, seed, mesh)
         del loaded
         self.processor = OutputProcessor(self.tokenizer)
         self._counter = 0

@@ -271,8 +271,11 @@ def _truncate(x: jax.Array, st: SamplingTensors, truncate: jax.Array, *, topk_ca
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """lax.top_k of x f32[S, V] -> (f32[S, k], i32[S, k]). The barrier matters: when the outputs fuse into a
-    consumer, XLA CPU decomposes TopK into a full sort of the row (1.6 s instead of 16 ms at 32 x 262k)."""
-    return lax.optimization_barrier(lax.top_k(x, k))
+    consumer, XLA CPU decomposes TopK into a full sort of the row (1.6 s instead of 16 ms at 32 x 262k).
+    NOTE: one barrier per output. A barrier over the (values, indices) pair becomes a direct user of the TopK
+    tuple, which crashes XLA's TopkDecomposer in multi-device (SPMD) programs."""
+    vals, idx = lax.top_k(x, k)
+    return lax.optimization_barrier(vals), lax.optimization_barrier(idx)
 
 
 def _thresholds_from_top(x: jax.Array, vals: jax.Array, k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:

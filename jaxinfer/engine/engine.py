@@ -10,6 +10,8 @@ import random
 import time
 from collections.abc import Sequence
 
+from jax.sharding import Mesh
+
 from jaxinfer.cache.pages import PageAllocator
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.runner import CacheConfig, ModelRunner
@@ -29,12 +31,13 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         attn_impl: str | None = None,
         seed: int | None = None,
+        mesh: Mesh | None = None,
     ):
         cache = cache or CacheConfig()
         if cache.max_model_len > cfg.max_position_embeddings:
             cache = CacheConfig(**{**cache.__dict__, "max_model_len": cfg.max_position_embeddings})
         self.cfg, self.cc = cfg, cache
-        self.runner = ModelRunner(cfg, params, cache, attn_impl)
+        self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh)
         self.allocator = PageAllocator(self.runner.num_pages, cache.page_size, cache.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.allocator, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
 from jaxinfer.config import ModelConfig
@@ -30,6 +32,7 @@ from jaxinfer.sampling import (
     needs_advanced,
     sample,
 )
+from jaxinfer.sharding import KV_POOL_AXES, MODEL, spec
 from jaxinfer.step import StepInputs, pack, pick_bucket, power_of_two_buckets
 
 log = logging.getLogger(__name__)
@@ -71,22 +74,37 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
 # ---------------------------------------------------------------------------------------------- the step
 
 
-def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: str | None):
-    def attend(i: int, q, k, v, pools):
-        kp, vp = kernels_pallas.write_kv(pools[0], pools[1], k[0], v[0], inp.slot_mapping)
-        opts = dict(scale=cfg.scale, sliding_window=cfg.layer_windows[i], soft_cap=cfg.attn_logit_softcap, impl=impl)
+def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: str | None, mesh: Mesh | None):
+    def layer_attention(window: int, q, k, v, kp, vp, slots, table, ctx, qsl, nseq):
+        """q f[T, H, Dh]; k, v f[T, Hkv, Dh]; kp, vp f[P, page, Hkv, Dh] -> (out f[T, H, Dh], kp, vp)."""
+        kp, vp = kernels_pallas.write_kv(kp, vp, k, v, slots)
+        opts = dict(scale=cfg.scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap, impl=impl)
         if decode_only:
-            out = kernels_pallas.paged_decode_attention(q[0], kp, vp, inp.page_table, inp.context_lens, **opts)
+            out = kernels_pallas.paged_decode_attention(q, kp, vp, table, ctx, **opts)
         else:
-            out = kernels_pallas.ragged_paged_attention(
-                q[0], kp, vp, inp.page_table, inp.context_lens, inp.query_start_loc, inp.num_seqs, **opts
-            )
+            out = kernels_pallas.ragged_paged_attention(q, kp, vp, table, ctx, qsl, nseq, **opts)
+        return out, kp, vp
+
+    def attend(i: int, q, k, v, pools):
+        fn = partial(layer_attention, cfg.layer_windows[i])
+        if mesh is not None and mesh.shape[MODEL] > 1:
+            # Heads are independent: each model shard attends with its own query heads over its own KV heads
+            # (kernels run per shard; Pallas inside shard_map needs check_vma=False).
+            heads, pool, rep = P(None, MODEL, None), P(None, None, MODEL, None), P()
+            fn = jax.shard_map(
+                fn, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, rep, rep, rep, rep, rep),
+                out_specs=(heads, pool, pool), check_vma=False,
+            )  # fmt: skip
+        out, kp, vp = fn(q[0], k[0], v[0], pools[0], pools[1], inp.slot_mapping, inp.page_table, inp.context_lens,
+                         inp.query_start_loc, inp.num_seqs)  # fmt: skip
         return out[None], (kp, vp)
 
     return attend
 
 
-@partial(jax.jit, static_argnames=("cfg", "decode_only", "advanced", "num_logprobs", "impl"), donate_argnames=("kv",))
+@partial(
+    jax.jit, static_argnames=("cfg", "decode_only", "advanced", "num_logprobs", "impl", "mesh"), donate_argnames=("kv",)
+)
 def paged_step(
     params: Params,
     cfg: ModelConfig,
@@ -97,12 +115,16 @@ def paged_step(
     advanced: bool,
     num_logprobs: int | None,
     impl: str | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[SampleOutput, KVPools]:
     """One engine step: forward over the packed tokens, then one sampled token per sequence, on device."""
     hidden, kv = forward(
-        params, cfg, inp.token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl)
+        params, cfg, inp.token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh)
     )
     lg = logits(params, cfg, hidden[0][inp.logits_indices])  # f32[S, V]
+    if mesh is not None:
+        # Gather the vocab-sharded logits; every device samples the same rows ([S, V] is small next to the weights).
+        lg = jax.lax.with_sharding_constraint(lg, NamedSharding(mesh, P()))
     return sample(lg, st, advanced=advanced, num_logprobs=num_logprobs), kv
 
 
@@ -156,16 +178,31 @@ def size_pool(cfg: ModelConfig, cc: CacheConfig) -> int:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params: Params, cache: CacheConfig, attn_impl: str | None = None):
-        # NOTE: arrays are committed to the device up front. A step's outputs are committed, and jit keys its
-        # cache on committedness, so uncommitted first inputs would compile every bucket a second time.
-        device = jax.devices()[0]
-        self.cfg, self.cc, self.attn_impl = cfg, cache, attn_impl
-        self.params = jax.device_put(params, device)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        cache: CacheConfig,
+        attn_impl: str | None = None,
+        mesh: Mesh | None = None,
+    ):
+        """On a mesh, `params` must already be placed on it (see jaxinfer.weights.load_weights(mesh=...)) and `cfg`
+        be the config they fit."""
+        self.cfg, self.cc, self.attn_impl, self.mesh = cfg, cache, attn_impl, mesh
         self.num_pages = size_pool(cfg, cache)
         shape = (self.num_pages, cache.page_size, cfg.num_kv_heads, cfg.head_dim)
-        zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype), device=device)
-        self.kv: KVPools = [(zeros.copy(), zeros.copy()) for _ in range(cfg.num_layers)]
+        if mesh is None:
+            # NOTE: arrays are committed to the device up front. A step's outputs are committed, and jit keys its
+            # cache on committedness, so uncommitted first inputs would compile every bucket a second time.
+            self.params = jax.device_put(params, jax.devices()[0])
+            self._replicated = jax.devices()[0]
+            pool = SingleDeviceSharding(jax.devices()[0])
+        else:
+            self.params = params
+            self._replicated = NamedSharding(mesh, P())
+            pool = NamedSharding(mesh, spec(KV_POOL_AXES, mesh))
+        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype)), out_shardings=pool)
+        self.kv: KVPools = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
         self.seq_buckets = power_of_two_buckets(min(8, cache.max_num_seqs), cache.max_num_seqs)
         self.token_buckets = power_of_two_buckets(min(32, cache.max_num_batched_tokens), cache.max_num_batched_tokens)
         log.info(
@@ -192,6 +229,7 @@ class ModelRunner:
         inp = pack(chunks, t, s, self.cc.pages_per_seq, self.cc.page_size)
         advanced = needs_advanced(rows)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
+        inp, st = jax.device_put((inp, st), self._replicated)
         out, self.kv = self._step(inp, st, decode_only, advanced)
         out = jax.device_get(out)  # the step's one device-to-host transfer
         n = len(chunks)
@@ -199,7 +237,16 @@ class ModelRunner:
 
     def _step(self, inp: StepInputs, st: SamplingTensors, decode_only: bool, advanced: bool):
         return paged_step(
-            self.params, self.cfg, self.kv, inp, st, decode_only, advanced, self.cc.max_logprobs, self.attn_impl
+            self.params,
+            self.cfg,
+            self.kv,
+            inp,
+            st,
+            decode_only,
+            advanced,
+            self.cc.max_logprobs,
+            self.attn_impl,
+            self.mesh,
         )
 
     def warmup(self, advanced: bool = True) -> float:
@@ -213,6 +260,7 @@ class ModelRunner:
             for decode_only, t, s in shapes:
                 inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
                 st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
+                inp, st = jax.device_put((inp, st), self._replicated)
                 out, self.kv = self._step(inp, st, decode_only, adv)
         jax.block_until_ready(out)
         return time.perf_counter() - t0

@@ -9,17 +9,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+from jax.sharding import Mesh
+
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.transformer import Params
+from jaxinfer.model.transformer import Params, param_axes
 from jaxinfer.model_files import resolve_model_path
-from jaxinfer.weights.checkpoint import is_checkpoint, restore_checkpoint, save_checkpoint
+from jaxinfer.weights.checkpoint import is_checkpoint, read_config, restore_checkpoint, save_checkpoint
 from jaxinfer.weights.gguf_loader import load_gguf
 from jaxinfer.weights.hf import load_hf
-from jaxinfer.weights.layout import Placer
 
 log = logging.getLogger(__name__)
 
@@ -47,36 +50,58 @@ def load_weights(
     dtype: str = "float32",
     cache_dir: Path | None = None,
     use_cache: bool = True,
-    place: Placer | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[ModelConfig, Params, Path]:
-    """(config, params, path of the original weights). `place` is only used when converting."""
+    """(config, params, path of the original weights). With a mesh, params are placed shard by shard and the
+    config is the one they fit (see `jaxinfer.sharding.sharded_config`)."""
     path = resolve_model_path(str(model))
     if is_checkpoint(path):
-        cfg, params, source = restore_checkpoint(path, dtype=dtype)
+        cfg, params, source = _restore(path, dtype, mesh)
         return cfg, params, Path(source.get("path", path))
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is neither an HF model directory (config.json) nor a jaxinfer checkpoint")
-        cfg, params = load_hf(path, dtype, place)
+        cfg, params = load_hf(path, dtype, mesh)
         return cfg, params, path
     if path.suffix != ".gguf":
         raise ValueError(f"don't know how to load {path}: expected a .gguf file, an HF directory or a checkpoint")
-    if not use_cache or place is not None:
-        cfg, params = load_gguf(path, dtype, place)
+    if not use_cache:
+        cfg, params = load_gguf(path, dtype, mesh)
         return cfg, params, path
     cached = (cache_dir or default_cache_dir()) / _cache_key(path, dtype)
-    if is_checkpoint(cached):
+    if not is_checkpoint(cached):
+        cfg, params = load_gguf(path, dtype)
         try:
-            cfg, params, _ = restore_checkpoint(cached, dtype=dtype)
+            save_checkpoint(cached, cfg, params, source={"kind": "gguf", "path": str(path)})
+        except OSError as e:
+            log.warning("could not write conversion cache %s: %s", cached, e)
+        if mesh is None:
             return cfg, params, path
-        except Exception as e:  # a damaged cache entry is rebuilt, never trusted
-            log.warning("ignoring damaged conversion cache %s: %s", cached, e)
-    cfg, params = load_gguf(path, dtype)
+        del params
     try:
-        save_checkpoint(cached, cfg, params, source={"kind": "gguf", "path": str(path)})
-    except OSError as e:
-        log.warning("could not write conversion cache %s: %s", cached, e)
+        cfg, params, _ = _restore(cached, dtype, mesh)
+    except Exception as e:  # a damaged cache entry is rebuilt, never trusted
+        log.warning("ignoring damaged conversion cache %s: %s", cached, e)
+        shutil.rmtree(cached, ignore_errors=True)
+        return load_weights(path, dtype, cache_dir, use_cache, mesh)
     return cfg, params, path
+
+
+def _restore(path: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, Params, dict]:
+    """Restores a checkpoint onto one device, or onto a mesh: straight into the shards when no KV head needs
+    replicating, else through the host."""
+    if mesh is None:
+        return restore_checkpoint(path, dtype=dtype)
+    from jaxinfer.sharding import MODEL, check_tensor_parallel, kv_replication, replicate_kv_params, tree_shardings
+
+    cfg = read_config(path, dtype)
+    check_tensor_parallel(cfg, mesh.shape[MODEL])
+    if kv_replication(cfg, mesh.shape[MODEL]) == 1:
+        return restore_checkpoint(path, shardings=tree_shardings(param_axes(cfg), mesh), dtype=dtype)
+    with jax.default_device(jax.devices("cpu")[0]):
+        cfg, params, source = restore_checkpoint(path, dtype=dtype)
+    cfg, params = replicate_kv_params(cfg, params, mesh)
+    return cfg, params, source
 
 
 def load_model(model: str | Path, dtype: str = "float32", **kwargs: Any) -> LoadedModel:

@@ -62,6 +62,11 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def read_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
+    cfg = ModelConfig.from_dict(read_meta(path)["config"])
+    return cfg if dtype is None else cfg.replace(dtype=dtype)
+
+
 def restore_checkpoint(
     path: str | Path, shardings: Any = None, dtype: str | None = None
 ) -> tuple[ModelConfig, Params, dict[str, Any]]:

@@ -12,10 +12,11 @@ from typing import Any
 
 import gguf
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig, from_gguf_metadata
 from jaxinfer.model.transformer import Params
-from jaxinfer.weights.layout import Placer, build_params
+from jaxinfer.weights.layout import build_on_mesh
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -74,7 +75,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path, dtype: str = "float32", place: Placer | None = None) -> tuple[ModelConfig, Params]:
+def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) -> tuple[ModelConfig, Params]:
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -97,4 +98,4 @@ def load_gguf(path: str | Path, dtype: str = "float32", place: Placer | None = N
             w = w - cfg.norm_offset
         return w
 
-    return cfg, build_params(cfg, get, place)
+    return build_on_mesh(cfg, get, dtype, mesh)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jaxinfer.config import ModelConfig, from_hf_config
 from jaxinfer.model.transformer import Params
-from jaxinfer.weights.layout import Placer, build_params
+from jaxinfer.weights.layout import build_on_mesh
 
 # Multimodal and wrapper checkpoints keep the text model under another prefix.
 _PREFIXES = (
@@ -58,7 +59,7 @@ def _canonical(name: str) -> str:
     return name
 
 
-def load_hf(path: str | Path, dtype: str = "float32", place: Placer | None = None) -> tuple[ModelConfig, Params]:
+def load_hf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) -> tuple[ModelConfig, Params]:
     path = Path(path)
     cfg = read_hf_config(path, dtype)
     files = {_canonical(k): (k, f) for k, f in _tensor_files(path).items()}
@@ -77,4 +78,4 @@ def load_hf(path: str | Path, dtype: str = "float32", place: Placer | None = Non
         with jax.default_device(jax.devices("cpu")[0]):
             return np.asarray(handles[f].get_tensor(key))
 
-    return cfg, build_params(cfg, get, place)
+    return build_on_mesh(cfg, get, dtype, mesh)

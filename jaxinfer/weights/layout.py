@@ -103,3 +103,14 @@ def build_params(cfg: ModelConfig, get: Getter, place: Placer | None = None) -> 
         return place("/".join(map(str, path)), x, axes_tree)
 
     return walk(param_shapes(cfg), axes, ())
+
+
+def build_on_mesh(cfg: ModelConfig, get: Getter, dtype: str, mesh: Any = None) -> tuple[ModelConfig, Params]:
+    """build_params on one device, or shard by shard on a mesh. Returns the config the params fit: on a mesh
+    with more model shards than KV heads, the KV heads are replicated (see jaxinfer.sharding)."""
+    if mesh is None:
+        return cfg, build_params(cfg, get, default_placer(dtype))
+    from jaxinfer.sharding import MODEL, placer, sharded_config
+
+    place = placer(cfg, mesh, dtype)  # checks the split before any tensor is read
+    return sharded_config(cfg, mesh.shape[MODEL]), build_params(cfg, get, place)
