@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
+from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
 from jaxinfer.engine.runner import CacheConfig
@@ -50,10 +51,10 @@ class LLM:
         attn_impl: str | None = None,
         warmup: bool = False,
     ):
-        if data_parallel_size != 1:
-            raise ValueError("data_parallel_size: only 1 is supported so far")
-        mesh = make_mesh(tensor_parallel_size, data_parallel_size) if tensor_parallel_size > 1 else None
-        loaded = load_model(model, dtype=dtype, mesh=mesh)
+        mesh = None
+        if tensor_parallel_size > 1 or data_parallel_size > 1:
+            mesh = make_mesh(tensor_parallel_size, data_parallel_size)
+        loaded = load_model(model, dtype=dtype, mesh=replica_meshes(mesh)[0] if mesh is not None else None)
         cfg = loaded.config
         self.model = model
         self.tokenizer = loaded.tokenizer
@@ -74,11 +75,18 @@ class LLM:
             enable_prefix_cache=enable_prefix_caching,
             max_logprobs=max_logprobs,
         )
-        self.engine = Engine(cfg, loaded.params, cache, self.tokenizer.eos_token_ids, attn_impl, seed, mesh)
+        eos = self.tokenizer.eos_token_ids
+        if data_parallel_size > 1:
+            self.engine = DataParallelEngine(cfg, loaded.params, mesh, cache, eos, attn_impl, seed)
+        else:
+            self.engine = Engine(cfg, loaded.params, cache, eos, attn_impl, seed, mesh)
         del loaded
         self.processor = OutputProcessor(self.tokenizer)
         self._counter = 0
-        self.warmup_seconds = self.engine.runner.warmup() if warmup else None
+        self.warmup_seconds = sum(e.runner.warmup() for e in self._replicas()) if warmup else None
+
+    def _replicas(self) -> list[Engine]:
+        return getattr(self.engine, "replicas", [self.engine])
 
     # ------------------------------------------------------------------------------------------ API
 
@@ -180,11 +188,11 @@ class LLM:
         """Frees the weights, the KV pools and the compiled steps. The object cannot generate afterwards."""
         if self.engine is None:
             return
-        runner = self.engine.runner
-        for x in jax.tree.leaves((runner.params, runner.kv)):
-            if isinstance(x, jax.Array) and not x.is_deleted():
-                x.delete()
-        runner.params = runner.kv = None
+        for e in self._replicas():
+            for x in jax.tree.leaves((e.runner.params, e.runner.kv)):
+                if isinstance(x, jax.Array) and not x.is_deleted():
+                    x.delete()
+            e.runner.params = e.runner.kv = None
         self.engine = None
         jax.clear_caches()
         gc.collect()

@@ -60,6 +60,8 @@ class SamplingTensors:
     prompt_lens: jax.Array  # i32[S]   how many of `history` are prompt tokens
     bias_ids: jax.Array  # i32[S, B]   padded with -1
     bias_values: jax.Array  # f32[S, B]
+    # bool[S] rows that asked for logprobs; None (e.g. in tests): always compute them when num_logprobs is set
+    want_logprobs: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -91,6 +93,7 @@ class RowSampling:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = True  # whether this row needs logprobs (the engine clears it for rows that did not ask)
 
     @property
     def has_penalties(self) -> bool:
@@ -151,8 +154,10 @@ def build_sampling_tensors(
             ids, vals = zip(*r.logit_bias.items(), strict=True)
             bias_ids[i, : len(ids)] = ids
             bias_values[i, : len(ids)] = vals
+    want = np.zeros(num_rows, bool)
+    want[: len(rows)] = [r.logprobs for r in rows]
     return SamplingTensors(
-        temp, top_k, top_p, min_p, seeds, counter, rep, pres, freq, history, prompt_lens, bias_ids, bias_values
+        temp, top_k, top_p, min_p, seeds, counter, rep, pres, freq, history, prompt_lens, bias_ids, bias_values, want
     )
 
 
@@ -194,12 +199,23 @@ def sample(
     if num_logprobs is None:
         empty = jnp.zeros((num_rows, 0), jnp.float32)
         return SampleOutput(token_ids, jnp.zeros(num_rows, jnp.float32), empty.astype(jnp.int32), empty)
+    k = num_logprobs
+    if st.want_logprobs is None:
+        return SampleOutput(token_ids, *compute_logprobs(raw, token_ids, k))
+    # Skipped at run time when no row asked: a top-k over a 262k vocabulary is not free on CPU.
+    skipped = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, k), jnp.int32), jnp.zeros((num_rows, k)))
+    lps = lax.cond(jnp.any(st.want_logprobs), lambda: compute_logprobs(raw, token_ids, k), lambda: skipped)
+    return SampleOutput(token_ids, *lps)
+
+
+def compute_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """raw f32[S, V], token_ids i32[S] -> (logprob f32[S], top ids i32[S, k], top logprobs f32[S, k])."""
     # Same formula as jax.nn.log_softmax, without materialising the [S, V] result.
     shifted = raw - jnp.max(raw, axis=-1, keepdims=True)  # f32[S, V]
     log_z = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))  # f32[S]
     logprobs = jnp.take_along_axis(shifted, token_ids[:, None], axis=-1)[:, 0] - log_z
-    top_vals, top_ids = _top_k(shifted, num_logprobs)
-    return SampleOutput(token_ids, logprobs, top_ids.astype(jnp.int32), top_vals - log_z[:, None])
+    top_vals, top_ids = _top_k(shifted, k)
+    return logprobs, top_ids.astype(jnp.int32), top_vals - log_z[:, None]
 
 
 def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:

@@ -7,6 +7,7 @@ A step packs the new tokens of up to `num_seqs` sequences into one token axis:
     query_start_loc                      i32[S + 1]  cumulative count of new tokens per sequence
     num_seqs                             i32[]
     logits_indices                       i32[S]      packed index of each sequence's last new token
+    target_ids                           i32[T]      the next prompt token after each token (prompt_logprobs), or -1
 Sampling parameters travel beside these, in `jaxinfer.sampling.SamplingTensors` with the same S rows.
 T and S are rounded up to buckets, so a steady workload reuses a small, fixed set of compiled programs.
 """
@@ -30,6 +31,7 @@ class StepInputs:
     query_start_loc: np.ndarray
     num_seqs: np.ndarray
     logits_indices: np.ndarray
+    target_ids: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +69,7 @@ class SeqChunk:
     token_ids: list[int]  # the new tokens
     start: int  # absolute position of the first new token
     pages: list[int]  # the sequence's pages, covering start + len(token_ids) tokens
+    target_ids: list[int] | None = None  # per new token, the prompt token that follows it (-1: none)
 
 
 def pack(chunks: list[SeqChunk], num_tokens: int, max_seqs: int, pages_per_seq: int, page_size: int) -> StepInputs:
@@ -81,6 +84,7 @@ def pack(chunks: list[SeqChunk], num_tokens: int, max_seqs: int, pages_per_seq: 
     ctx = np.zeros(max_seqs, np.int32)
     qsl = np.zeros(max_seqs + 1, np.int32)
     logits_idx = np.zeros(max_seqs, np.int32)
+    targets = np.full(num_tokens, -1, np.int32)
     off = 0
     for i, c in enumerate(chunks):
         n = len(c.token_ids)
@@ -93,6 +97,8 @@ def pack(chunks: list[SeqChunk], num_tokens: int, max_seqs: int, pages_per_seq: 
         ctx[i] = c.start + n
         qsl[i + 1] = off + n
         logits_idx[i] = off + n - 1
+        if c.target_ids is not None:
+            targets[off : off + n] = c.target_ids
         off += n
     qsl[len(chunks) + 1 :] = off
-    return StepInputs(tok, pos, slots, table, ctx, qsl, np.int32(len(chunks)), logits_idx)
+    return StepInputs(tok, pos, slots, table, ctx, qsl, np.int32(len(chunks)), logits_idx, targets)

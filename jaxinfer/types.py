@@ -166,6 +166,7 @@ class SeqUpdate:
     finished: bool
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first token, when asked for
 
 
 @dataclass

@@ -73,8 +73,10 @@ class Engine:
             )
         if params.logprobs is not None and params.logprobs > self.cc.max_logprobs:
             raise ValueError(f"logprobs: at most {self.cc.max_logprobs} are supported, got {params.logprobs}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: not supported by this engine yet")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.cc.max_logprobs:
+            raise ValueError(
+                f"prompt_logprobs: at most {self.cc.max_logprobs} are supported, got {params.prompt_logprobs}"
+            )
         for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             if any(not 0 <= t < self.cfg.vocab_size for t in ids):
                 raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size})")
@@ -143,6 +145,7 @@ class Engine:
             counter=len(req.output_token_ids), repetition_penalty=p.repetition_penalty,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids, logit_bias=bias,
+            logprobs=p.logprobs is not None,
         )  # fmt: skip
 
     def _stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
@@ -157,16 +160,38 @@ class Engine:
         return None, None
 
     def step(self) -> list[SeqUpdate]:
+        return self.finish_step(self.start_step())
+
+    def start_step(self) -> tuple | None:
+        """Schedules and dispatches one step without waiting for the device (data-parallel replicas start all
+        their steps before collecting any)."""
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return None
         now = time.monotonic()
         chunks = []
+        want_prompt_lp = False
         for s in batch:
             r = s.req
             r.first_scheduled_time = r.first_scheduled_time or now
-            chunks.append(SeqChunk(r.tokens(r.num_computed, r.num_computed + s.num_new), r.num_computed, r.pages))
-        out = self.runner.run(chunks, [self._row(s.req) for s in batch])
+            start, stop, n_prompt = r.num_computed, r.num_computed + s.num_new, len(r.prompt_token_ids)
+            targets = None
+            if r.params.prompt_logprobs is not None and start < n_prompt:
+                # Each prompt token's logits score the prompt token after it.
+                targets = [r.prompt_token_ids[p + 1] if p + 1 < n_prompt else -1 for p in range(start, stop)]
+                want_prompt_lp = True
+            chunks.append(SeqChunk(r.tokens(start, stop), start, r.pages, targets))
+        rows = [self._row(s.req) for s in batch]
+        return batch, chunks, self.runner.dispatch(chunks, rows, want_prompt_lp)
+
+    def finish_step(self, started: tuple | None) -> list[SeqUpdate]:
+        """Collects a dispatched step's tokens and updates every sequence it ran."""
+        if started is None:
+            return []
+        batch, chunks, pending = started
+        out, prompt_lp = self.runner.collect(pending)
+        if prompt_lp is not None:
+            self._record_prompt_logprobs(chunks, batch, prompt_lp)
         self.num_steps += 1
         now = time.monotonic()
         updates = []
@@ -199,8 +224,29 @@ class Engine:
                 req.stop_reason, req.finish_time = stop_reason, now
                 self.seqs.pop(req.request_id, None)
                 self._forget_group(req)
-            updates.append(SeqUpdate(req.request_id, [tok], lp, reason is not None, reason, stop_reason))
+            update = SeqUpdate(req.request_id, [tok], lp, reason is not None, reason, stop_reason)
+            if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+                update.prompt_logprobs = req.prompt_logprobs
+            updates.append(update)
         return updates
+
+    def _record_prompt_logprobs(self, chunks: list[SeqChunk], batch: list, prompt_lp: tuple) -> None:
+        lps, top_ids, top_lps = prompt_lp
+        off = 0
+        for c, s in zip(chunks, batch, strict=True):
+            req = s.req
+            if c.target_ids is not None:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs = [None]  # the first prompt token has nothing before it
+                k = req.params.prompt_logprobs
+                for j, target in enumerate(c.target_ids):
+                    if target < 0:
+                        continue
+                    entry = {int(target): float(lps[off + j])}
+                    for t, v in zip(top_ids[off + j, :k], top_lps[off + j, :k], strict=True):
+                        entry.setdefault(int(t), float(v))
+                    req.prompt_logprobs.append(entry)
+            off += len(c.token_ids)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

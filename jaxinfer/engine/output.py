@@ -32,6 +32,7 @@ class _Req:
     params: SamplingParams
     seqs: dict[str, _Seq]
     arrival_time: float
+    prompt_logprobs: list | None = None
 
 
 class OutputProcessor:
@@ -69,6 +70,8 @@ class OutputProcessor:
             req = self._reqs[rid]
             seq = req.seqs[u.request_id]
             touched[rid] = req
+            if u.prompt_logprobs is not None and req.prompt_logprobs is None:
+                req.prompt_logprobs = u.prompt_logprobs
             for tok, lp in zip(u.new_token_ids, u.new_logprobs or [None] * len(u.new_token_ids), strict=True):
                 seq.token_ids.append(tok)
                 seq.detok.add(tok)
@@ -114,5 +117,5 @@ class OutputProcessor:
             for s in req.seqs.values()
         ]
         finished = all(o.finish_reason is not None for o in outs)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, outs, finished,
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs, finished,
                              RequestMetrics(req.arrival_time, None, None, None))  # fmt: skip

@@ -29,6 +29,7 @@ from jaxinfer.sampling import (
     SampleOutput,
     SamplingTensors,
     build_sampling_tensors,
+    compute_logprobs,
     needs_advanced,
     sample,
 )
@@ -103,7 +104,9 @@ def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: st
 
 
 @partial(
-    jax.jit, static_argnames=("cfg", "decode_only", "advanced", "num_logprobs", "impl", "mesh"), donate_argnames=("kv",)
+    jax.jit,
+    static_argnames=("cfg", "decode_only", "advanced", "num_logprobs", "impl", "mesh", "prompt_logprobs"),
+    donate_argnames=("kv",),
 )
 def paged_step(
     params: Params,
@@ -116,8 +119,11 @@ def paged_step(
     num_logprobs: int | None,
     impl: str | None = None,
     mesh: Mesh | None = None,
-) -> tuple[SampleOutput, KVPools]:
-    """One engine step: forward over the packed tokens, then one sampled token per sequence, on device."""
+    prompt_logprobs: bool = False,
+) -> tuple[SampleOutput, tuple | None, KVPools]:
+    """One engine step: forward over the packed tokens, then one sampled token per sequence, on device.
+    With prompt_logprobs, also (logprob of target, top ids, top logprobs) for every packed token: a separate
+    program (compiled on first use) since it computes logits for all T tokens, not just S."""
     hidden, kv = forward(
         params, cfg, inp.token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh)
     )
@@ -125,7 +131,11 @@ def paged_step(
     if mesh is not None:
         # Gather the vocab-sharded logits; every device samples the same rows ([S, V] is small next to the weights).
         lg = jax.lax.with_sharding_constraint(lg, NamedSharding(mesh, P()))
-    return sample(lg, st, advanced=advanced, num_logprobs=num_logprobs), kv
+    prompt_lp = None
+    if prompt_logprobs:
+        lg_all = logits(params, cfg, hidden[0])  # f32[T, V]
+        prompt_lp = compute_logprobs(lg_all, jnp.maximum(inp.target_ids, 0), num_logprobs or 0)
+    return sample(lg, st, advanced=advanced, num_logprobs=num_logprobs), prompt_lp, kv
 
 
 # ---------------------------------------------------------------------------------------------- runner
@@ -223,31 +233,33 @@ class ModelRunner:
             return True, s, s
         return False, pick_bucket(num_tokens, self.token_buckets), self.cc.max_num_seqs
 
-    def run(self, chunks: list, rows: list[RowSampling]) -> SampleOutput:
-        """Runs one step over SeqChunks with one RowSampling each; returns the host SampleOutput, one row per chunk."""
+    def dispatch(self, chunks: list, rows: list[RowSampling], prompt_logprobs: bool = False) -> tuple:
+        """Starts one step over SeqChunks with one RowSampling each; returns without waiting for the device
+        (a pending handle for `collect`)."""
         decode_only, t, s = self.bucket_for(len(chunks), sum(len(c.token_ids) for c in chunks))
         inp = pack(chunks, t, s, self.cc.pages_per_seq, self.cc.page_size)
         advanced = needs_advanced(rows)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
         inp, st = jax.device_put((inp, st), self._replicated)
-        out, self.kv = self._step(inp, st, decode_only, advanced)
-        out = jax.device_get(out)  # the step's one device-to-host transfer
-        n = len(chunks)
-        return SampleOutput(out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n])
+        out, prompt_lp, self.kv = self._step(inp, st, decode_only, advanced, prompt_logprobs)
+        return out, prompt_lp, len(chunks), t
 
-    def _step(self, inp: StepInputs, st: SamplingTensors, decode_only: bool, advanced: bool):
+    @staticmethod
+    def collect(pending: tuple) -> tuple[SampleOutput, tuple | None]:
+        """Waits for a dispatched step: the host SampleOutput (one row per chunk) and the per-token prompt
+        logprobs (when asked for)."""
+        out, prompt_lp, n, _ = pending
+        out, prompt_lp = jax.device_get((out, prompt_lp))  # the step's one device-to-host transfer
+        return SampleOutput(out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]), prompt_lp
+
+    def run(self, chunks: list, rows: list[RowSampling]) -> SampleOutput:
+        return self.collect(self.dispatch(chunks, rows))[0]
+
+    def _step(self, inp: StepInputs, st: SamplingTensors, decode_only: bool, advanced: bool, prompt_lp: bool = False):
         return paged_step(
-            self.params,
-            self.cfg,
-            self.kv,
-            inp,
-            st,
-            decode_only,
-            advanced,
-            self.cc.max_logprobs,
-            self.attn_impl,
-            self.mesh,
-        )
+            self.params, self.cfg, self.kv, inp, st, decode_only, advanced, self.cc.max_logprobs, self.attn_impl,
+            self.mesh, prompt_lp,
+        )  # fmt: skip
 
     def warmup(self, advanced: bool = True) -> float:
         """Compiles every bucket (and the penalties/bias variant) by running all-padding steps, which write
@@ -261,6 +273,6 @@ class ModelRunner:
                 inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
                 st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
                 inp, st = jax.device_put((inp, st), self._replicated)
-                out, self.kv = self._step(inp, st, decode_only, adv)
+                out, _, self.kv = self._step(inp, st, decode_only, adv)
         jax.block_until_ready(out)
         return time.perf_counter() - t0

@@ -50,6 +50,8 @@ class Scheduler:
         """Starts a fresh request on the cached pages of its longest cached prefix. At least one token is left
         to compute: its logits give the next token."""
         max_blocks = (req.num_tokens - 1) // self.alloc.page_size
+        if req.params.prompt_logprobs is not None:
+            max_blocks = 0  # every prompt token's logits are needed, so none may come from the cache
         pages, hashes = self.alloc.match_prefix(req.tokens(0, max_blocks * self.alloc.page_size), max_blocks)
         req.pages, req.block_hashes = pages, hashes
         req.num_computed = len(pages) * self.alloc.page_size

@@ -1,0 +1,140 @@
+"""Data-parallel replicas in one process: one Engine per slice of the ("data", "model") mesh.
+
+Small models then use every chip: each replica holds a full copy of the weights (sharded over its own `model`
+devices) and its own KV pool and scheduler. A request goes to the replica with the least outstanding work and
+stays there. A step dispatches every replica's work before waiting for any, so the devices run concurrently.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.runner import CacheConfig
+from jaxinfer.model.transformer import Params
+from jaxinfer.sharding import DATA, MODEL
+from jaxinfer.types import SamplingParams, SeqUpdate
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """One (1, tp) mesh per row of the data axis."""
+    return [Mesh(mesh.devices[i : i + 1], (DATA, MODEL), axis_types=mesh.axis_types) for i in range(mesh.shape[DATA])]
+
+
+def copy_to_mesh(params: Params, mesh: Mesh) -> Params:
+    """The same params, sharded the same way, on another mesh of the same shape (a device-to-device copy)."""
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, x.sharding.spec)), params)
+
+
+class DataParallelEngine:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        mesh: Mesh,
+        cache: CacheConfig | None = None,
+        eos_token_ids: Sequence[int] = (),
+        attn_impl: str | None = None,
+        seed: int | None = None,
+    ):
+        """`params` must be placed on the first replica's mesh (`replica_meshes(mesh)[0]`)."""
+        meshes = replica_meshes(mesh)
+        self.replicas = [
+            Engine(
+                cfg,
+                params if i == 0 else copy_to_mesh(params, m),
+                cache,
+                eos_token_ids,
+                attn_impl,
+                None if seed is None else seed + i,
+                m,
+            )  # fmt: skip
+            for i, m in enumerate(meshes)
+        ]
+        self.cfg, self.cc = cfg, self.replicas[0].cc
+        self._owner: dict[str, Engine] = {}
+        self._ids = itertools.count()
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        return self.replicas[0].validate(prompt_token_ids, params)
+
+    def _load(self, e: Engine) -> int:
+        return sum(r.num_tokens - r.num_computed + r.params.max_tokens for r in e.seqs.values())
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._owner:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        engine = min(self.replicas, key=self._load)
+        engine.add_request(prompt_token_ids, params, rid)
+        self._owner[rid] = engine
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        engine = self._owner.pop(request_id, None)
+        if engine is not None:
+            engine.abort(request_id)
+
+    def finish_sequence(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        engine = self._owner.get(seq_id.split("#")[0])
+        if engine is not None:
+            engine.finish_sequence(seq_id, reason, stop_reason)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.replicas)
+
+    def step(self) -> list[SeqUpdate]:
+        started = [e.start_step() for e in self.replicas]
+        updates: list[SeqUpdate] = []
+        for e, s in zip(self.replicas, started, strict=True):
+            updates += e.finish_step(s)
+        for u in updates:
+            if u.finished and u.request_id.split("#")[0] not in self._live_ids():
+                self._owner.pop(u.request_id.split("#")[0], None)
+        return updates
+
+    def _live_ids(self) -> set[str]:
+        return {rid for e in self.replicas for rid in e.groups}
+
+    @property
+    def allocator(self) -> _PoolView:
+        return _PoolView([e.allocator for e in self.replicas])
+
+    @property
+    def scheduler(self) -> _QueueView:
+        return _QueueView([e.scheduler for e in self.replicas])
+
+    def __getattr__(self, name: str):
+        # Counters (num_generated_tokens, num_prefilled_tokens, num_steps) summed over the replicas.
+        if name.startswith("num_"):
+            return sum(getattr(e, name) for e in self.replicas)
+        raise AttributeError(name)
+
+
+class _PoolView:
+    """The replicas' page pools seen as one, for metrics."""
+
+    def __init__(self, allocs: list):
+        self._a = allocs
+
+    num_pages = property(lambda self: sum(a.num_pages for a in self._a))
+    num_used = property(lambda self: sum(a.num_used for a in self._a))
+    num_free = property(lambda self: sum(a.num_free for a in self._a))
+    hit_tokens = property(lambda self: sum(a.hit_tokens for a in self._a))
+    queried_tokens = property(lambda self: sum(a.queried_tokens for a in self._a))
+    hit_rate = property(lambda self: self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0)
+
+
+class _QueueView:
+    def __init__(self, scheds: list):
+        self._s = scheds
+
+    running = property(lambda self: [r for s in self._s for r in s.running])
+    waiting = property(lambda self: [r for s in self._s for r in s.waiting])

