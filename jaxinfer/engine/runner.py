@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -200,6 +201,11 @@ class ModelRunner:
         be the config they fit."""
         self.cfg, self.cc, self.attn_impl, self.mesh = cfg, cache, attn_impl, mesh
         self.num_pages = size_pool(cfg, cache)
+        self.followers = None  # a jaxinfer.distributed.Followers on the lead process of a multi-process mesh
+        if jax.process_count() > 1:
+            from jaxinfer.distributed import agree_on
+
+            self.num_pages = agree_on(self.num_pages)  # free memory differs between hosts; the pools may not
         shape = (self.num_pages, cache.page_size, cfg.num_kv_heads, cfg.head_dim)
         if mesh is None:
             # NOTE: arrays are committed to the device up front. A step's outputs are committed, and jit keys its
@@ -240,16 +246,26 @@ class ModelRunner:
         inp = pack(chunks, t, s, self.cc.pages_per_seq, self.cc.page_size)
         advanced = needs_advanced(rows)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
-        inp, st = jax.device_put((inp, st), self._replicated)
-        out, prompt_lp, self.kv = self._step(inp, st, decode_only, advanced, prompt_logprobs)
+        out, prompt_lp = self.launch(inp, st, decode_only, advanced, prompt_logprobs)
         return out, prompt_lp, len(chunks), t
+
+    def launch(self, inp: StepInputs, st: SamplingTensors, decode_only: bool, advanced: bool, prompt_lp: bool):
+        """Runs the compiled step on host inputs. With several processes (jax.distributed) the lead sends the
+        inputs to every follower first, so all processes run the same step on the global mesh."""
+        if self.followers is not None:
+            inp, st = self.followers.send_step(inp, st, decode_only, advanced, prompt_lp)
+        inp, st = jax.device_put((inp, st), self._replicated)
+        out, prompt_out, self.kv = self._step(inp, st, decode_only, advanced, prompt_lp)
+        return out, prompt_out
 
     @staticmethod
     def collect(pending: tuple) -> tuple[SampleOutput, tuple | None]:
         """Waits for a dispatched step: the host SampleOutput (one row per chunk) and the per-token prompt
         logprobs (when asked for)."""
         out, prompt_lp, n, _ = pending
-        out, prompt_lp = jax.device_get((out, prompt_lp))  # the step's one device-to-host transfer
+        # The step's one device-to-host transfer. Outputs are replicated: this process's first copy is all of it
+        # (and the only part a process can read when the mesh spans several).
+        out, prompt_lp = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), (out, prompt_lp))
         return SampleOutput(out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]), prompt_lp
 
     def run(self, chunks: list, rows: list[RowSampling]) -> SampleOutput:
@@ -272,7 +288,6 @@ class ModelRunner:
             for decode_only, t, s in shapes:
                 inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
                 st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
-                inp, st = jax.device_put((inp, st), self._replicated)
-                out, _, self.kv = self._step(inp, st, decode_only, adv)
+                out, _ = self.launch(inp, st, decode_only, adv, False)
         jax.block_until_ready(out)
         return time.perf_counter() - t0
