@@ -22,65 +22,81 @@ from tqdm.auto import tqdm
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
-from jaxinfer.engine.runner import CacheConfig
+from jaxinfer.engine.runner import CacheConfig, enable_compilation_cache
 from jaxinfer.model_files import DEFAULT_MODEL
 from jaxinfer.sharding import make_mesh
+from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.types import RequestOutput, SamplingParams
 from jaxinfer.weights import load_model
 
 PromptType = str | list[int] | dict[str, Any]
 
 
-class LLM:
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        *,
-        dtype: str = "float32",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        num_kv_tokens: int | None = None,
-        gpu_memory_utilization: float = 0.5,
-        enable_prefix_caching: bool = True,
-        max_logprobs: int = 20,
-        seed: int | None = None,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        attn_impl: str | None = None,
-        warmup: bool = False,
-    ):
-        mesh = None
-        if tensor_parallel_size > 1 or data_parallel_size > 1:
-            mesh = make_mesh(tensor_parallel_size, data_parallel_size)
-        loaded = load_model(model, dtype=dtype, mesh=replica_meshes(mesh)[0] if mesh is not None else None)
-        cfg = loaded.config
-        self.model = model
-        self.tokenizer = loaded.tokenizer
-        if self.tokenizer is None:
-            raise ValueError(f"model {model!r} has no tokenizer")
-        max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len: {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
-            )
-        cache = CacheConfig(
-            page_size=block_size,
-            num_pages=-(-num_kv_tokens // block_size) if num_kv_tokens else None,
-            memory_fraction=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(256, max_num_seqs),
-            enable_prefix_cache=enable_prefix_caching,
-            max_logprobs=max_logprobs,
+def build_engine(
+    model: str = DEFAULT_MODEL,
+    *,
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int | None = None,
+    block_size: int = 16,
+    num_kv_tokens: int | None = None,
+    gpu_memory_utilization: float = 0.5,
+    enable_prefix_caching: bool = True,
+    max_logprobs: int = 20,
+    seed: int | None = None,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    attn_impl: str | None = None,
+    compilation_cache: bool | str = True,
+) -> tuple[Engine | DataParallelEngine, Tokenizer]:
+    """The engine and tokenizer behind `LLM` and the server, from vLLM-named settings. `compilation_cache` may
+    be a directory for jax's persistent compilation cache."""
+    if compilation_cache:
+        # A second start then restores the compiled steps instead of compiling them again.
+        enable_compilation_cache(compilation_cache if isinstance(compilation_cache, str) else None)
+    mesh = None
+    if tensor_parallel_size > 1 or data_parallel_size > 1 or jax.process_count() > 1:
+        if data_parallel_size > 1 and jax.process_count() > 1:
+            raise ValueError("data_parallel_size: data parallelism across processes is not supported")
+        mesh = make_mesh(tensor_parallel_size, data_parallel_size)
+    loaded = load_model(model, dtype=dtype, mesh=replica_meshes(mesh)[0] if mesh is not None else None)
+    cfg, tokenizer = loaded.config, loaded.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"model {model!r} has no tokenizer")
+    max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
         )
-        eos = self.tokenizer.eos_token_ids
-        if data_parallel_size > 1:
-            self.engine = DataParallelEngine(cfg, loaded.params, mesh, cache, eos, attn_impl, seed)
-        else:
-            self.engine = Engine(cfg, loaded.params, cache, eos, attn_impl, seed, mesh)
-        del loaded
+    cache = CacheConfig(
+        page_size=block_size,
+        num_pages=-(-num_kv_tokens // block_size) if num_kv_tokens else None,
+        memory_fraction=gpu_memory_utilization,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or max(256, max_num_seqs),
+        enable_prefix_cache=enable_prefix_caching,
+        max_logprobs=max_logprobs,
+    )
+    eos = tokenizer.eos_token_ids
+    if data_parallel_size > 1:
+        return DataParallelEngine(cfg, loaded.params, mesh, cache, eos, attn_impl, seed), tokenizer
+    engine = Engine(cfg, loaded.params, cache, eos, attn_impl, seed, mesh)
+    if jax.process_count() > 1:
+        from jaxinfer.distributed import attach_followers
+
+        attach_followers(engine.runner)  # the lead broadcasts every step; followers run `distributed.follow`
+    return engine, tokenizer
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
+        """`settings` are `build_engine`'s: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+        num_kv_tokens, gpu_memory_utilization, enable_prefix_caching, max_logprobs, seed, tensor_parallel_size,
+        data_parallel_size, attn_impl, compilation_cache."""
+        self.model = model
+        self.engine, self.tokenizer = build_engine(model, **settings)
         self.processor = OutputProcessor(self.tokenizer)
         self._counter = 0
         self.warmup_seconds = sum(e.runner.warmup() for e in self._replicas()) if warmup else None

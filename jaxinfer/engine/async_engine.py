@@ -99,6 +99,9 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        followers = getattr(getattr(self.engine, "runner", None), "followers", None)
+        if followers is not None:  # multi-host: release the follower processes
+            followers.stop()
 
     def _send(self, cmd: tuple) -> None:
         self._commands.put(cmd)

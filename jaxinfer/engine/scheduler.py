@@ -27,10 +27,18 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        long_prefill_tokens: int | None = None,
+    ):
         self.alloc = allocator
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
+        self.long_prefill_tokens = long_prefill_tokens or max(16, max_num_batched_tokens // 4)
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -95,17 +103,24 @@ class Scheduler:
             req.pages += self.alloc.allocate(need)
         return True
 
+    def _chunk(self, req: Request, budget: int, contended: bool) -> int:
+        """Tokens to compute for `req` this step. While other requests wait or run, a long prefill advances at
+        most `long_prefill_tokens` per step, so it cannot hold the whole budget and starve short requests."""
+        n = min(req.num_tokens - req.num_computed, budget)
+        return min(n, self.long_prefill_tokens) if contended else n
+
     def schedule(self) -> list[ScheduledSeq]:
         budget, out = self.budget, []
         scheduled: set[int] = set()
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        contended = len(self.running) + len(self.waiting) > 1
         for req in decoding + prefilling:
             if budget == 0 or len(out) == self.max_num_seqs:
                 break
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = self._chunk(req, budget, contended)
             while not self._reserve(req, req.num_computed + n):
                 victims = [r for r in self.running if id(r) not in scheduled]
                 victim = max(victims, key=lambda r: r.arrival_time)
@@ -123,7 +138,7 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 continue
             self._match_prefix(req)
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = self._chunk(req, budget, contended)
             if not self._reserve(req, req.num_computed + n):
                 self._release(req)  # give the prefix hits back; the request keeps its place in the queue
                 req.num_computed = 0

@@ -60,3 +60,22 @@ def test_preempts_youngest_and_returns_pages():
     assert young.num_preemptions == 1 and s.waiting[0] is young
     s.finish(old, "abort")
     assert alloc.num_free == 6
+
+
+def test_long_prefill_does_not_starve_short_requests():
+    s = Scheduler(PageAllocator(64, 4), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+                  long_prefill_tokens=8)  # fmt: skip
+    long, short = _req(0, 120), _req(1, 5)
+    s.add(long)
+    first = s.schedule()
+    assert first[0].num_new == 32  # alone, the long prompt may use the whole budget
+    first[0].req.num_computed += 32
+    s.add(short)
+    steps = 0
+    while short.num_computed < short.num_tokens:
+        batch = s.schedule()
+        assert {x.req.request_id for x in batch} == {"r0", "r1"}
+        for x in batch:
+            x.req.num_computed += x.num_new
+        steps += 1
+    assert steps == 1 and long.num_computed < long.num_tokens  # the short prompt finished within the long one

@@ -177,3 +177,18 @@ def test_bad_gguf_file(tmp_path):
         load_weights(bad, use_cache=False)
     with pytest.raises(FileNotFoundError):
         load_weights(tmp_path / "missing.gguf")
+
+
+def test_sharded_safetensors_index(tmp_path):
+    """A checkpoint split over several safetensors files with an index loads the same as a single file."""
+    model = build("qwen2", tmp_path / "one")
+    model.save_pretrained(tmp_path / "many", max_shard_size="40KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "many").glob("*.safetensors"))) > 2
+    cfg1, p1, _ = load_weights(tmp_path / "one")
+    cfg2, p2, _ = load_weights(tmp_path / "many")
+    assert cfg1 == cfg2
+    _assert_same(p1, p2)
+    next((tmp_path / "many").glob("model-00002*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_weights(tmp_path / "many")

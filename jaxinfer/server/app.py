@@ -1,0 +1,114 @@
+"""The FastAPI application: routes, API-key check, error shape, and the model loading in the background."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from jaxinfer.server.args import ServerArgs
+from jaxinfer.server.chat import create_chat_completion
+from jaxinfer.server.completions import create_completion
+from jaxinfer.server.context import ServingContext
+from jaxinfer.server.errors import APIError, install_handlers
+from jaxinfer.server.loader import build_engine
+from jaxinfer.server.metrics import Metrics
+from jaxinfer.server.state import Loader, ServerState
+from jaxinfer.server.tokenize import detokenize, tokenize
+
+
+def _context(request: Request) -> ServingContext:
+    return request.app.state.ctx
+
+
+def _require_api_key(request: Request) -> None:
+    key = _context(request).args.api_key
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    # compare_digest: the time taken must not tell how much of a guessed key was right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`", code="invalid_api_key")
+
+
+def _open_routes() -> APIRouter:
+    """Probes and monitoring: no API key, as load balancers and Prometheus bring none."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        err = _context(request).state.unavailable()
+        return err.response() if err else JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        # Answers while starting too (jaxinfer:server_ready 0), so a scrape shows the server coming up.
+        return Response(_context(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def _api_routes() -> APIRouter:
+    router = APIRouter(dependencies=[Depends(_require_api_key)])
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        ctx = _context(request)
+        ctx.state.require_ready()
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": ctx.created,
+                "owned_by": "jaxinfer",
+                "root": ctx.args.model,
+                "parent": None,
+                "max_model_len": ctx.state.max_model_len,
+            }  # fmt: skip
+            for name in ctx.args.model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(_context(request), request)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(_context(request), request)
+
+    @router.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(_context(request), request)
+
+    @router.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(_context(request), request)
+
+    return router
+
+
+def build_app(args: ServerArgs, loader: Loader | None = None) -> FastAPI:
+    """The app. The model loads (`loader`; default: the real engine) on a background thread once the server
+    starts: under `jaxinfer.server.http.serve` once it listens, under any other ASGI server at lifespan start-up."""
+    state = ServerState(args, loader or build_engine)
+    ctx = ServingContext(args, state, Metrics(state))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state.load_on_lifespan:
+            state.start_loading()
+        yield
+        state.shutdown()
+
+    app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    install_handlers(app, on_error=lambda status: ctx.metrics.http_errors.labels(str(status)).inc())
+    app.include_router(_open_routes())
+    app.include_router(_api_routes())
+    return app

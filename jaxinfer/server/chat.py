@@ -1,0 +1,153 @@
+"""POST /v1/chat/completions: messages through the model's chat template, chat logprobs, streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxinfer.server.body import parse_request
+from jaxinfer.server.context import ServingContext, new_id
+from jaxinfer.server.errors import APIError, bad_request, from_value_error
+from jaxinfer.server.generation import EngineRequest, final_output, run_request
+from jaxinfer.server.logprobs import chat_logprobs
+from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage
+from jaxinfer.server.sampling import chat_params, check_prompt_fits, reject_unsupported
+from jaxinfer.server.state import Ticket
+from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
+from jaxinfer.tokenizer import ChatTemplateError, Tokenizer
+from jaxinfer.types import RequestOutput
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    if not messages:
+        raise bad_request("messages must hold at least one message", "messages")
+    convo = []
+    for i, m in enumerate(messages):
+        try:
+            content = m.text()
+        except ValueError as e:
+            raise bad_request(f"messages.{i}.content: {e}", f"messages.{i}.content", "unsupported_parameter") from None
+        # "developer" is OpenAI's newer name for the system role; chat templates only know "system".
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        convo.append(msg)
+    try:
+        return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt)
+    except (ChatTemplateError, jinja2.TemplateError) as e:
+        raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+    req = await parse_request(request, ChatCompletionRequest, ctx.args.max_body_bytes)
+    engine = ctx.state.require_ready()
+    model = ctx.model_name(req.model)
+    reject_unsupported(req)
+    text = render_chat(ctx.tokenizer, req.messages)
+    ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template already wrote BOS where wanted
+    check_prompt_fits(len(ids), ctx.context_tokens, "messages")
+    params, renames = chat_params(req, len(ids), ctx.context_tokens)
+    try:
+        ids = engine.validate(ids, params)
+    except ValueError as e:
+        raise from_value_error(e, renames) from None
+    rid = new_id("chatcmpl")
+    sub = EngineRequest(rid, text, ids, params)
+    ticket = ctx.state.admit(1)
+    view = _View(ctx, req, sub, model)
+    if req.stream:
+        return TrackedStream(view.stream(ticket), ticket.release)
+    try:
+        final = await cancel_on_disconnect(request, final_output(ctx.state, ctx.metrics, sub, ticket, 0))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        ticket.release()
+    return JSONResponse(view.response(final))
+
+
+class _View:
+    """Engine outputs -> OpenAI's chat.completion / chat.completion.chunk objects."""
+
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, sub: EngineRequest, model: str):
+        self.ctx, self.req, self.sub, self.model = ctx, req, sub, model
+        self.created = int(time.time())
+
+    def _logprobs(self, token_ids, entries) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(token_ids, entries or [], self.req.top_logprobs or 0, self.ctx.token_text)
+
+    def _usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = len(self.sub.prompt_ids)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def _envelope(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.sub.request_id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}  # fmt: skip
+
+    def response(self, final: RequestOutput) -> dict:
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        body = self._envelope("chat.completion", choices)
+        body["usage"] = self._usage(sum(len(c.token_ids) for c in final.outputs))
+        return body
+
+    async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        n = self.req.n
+        sent_chars, sent_tokens = [0] * n, [0] * n
+        finished = [False] * n
+
+        def chunk(choices: list[dict]) -> str:
+            body = self._envelope("chat.completion.chunk", choices)
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        # The role comes first, before any token: clients show the turn at once.
+        for i in range(n):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])  # fmt: skip
+        try:
+            async for _, out in merge([run_request(self.ctx.state, self.ctx.metrics, self.sub, ticket, 0)]):
+                for c in out.outputs:
+                    i = c.index
+                    if finished[i]:
+                        continue
+                    delta = c.text[sent_chars[i] :]
+                    if not delta and c.finish_reason is None:
+                        continue  # text held back (an unfinished character or a possible stop string)
+                    choice = {
+                        "index": i,
+                        "delta": {"content": delta} if delta else {},
+                        "logprobs": self._logprobs(c.token_ids[sent_tokens[i] :], (c.logprobs or [])[sent_tokens[i] :]),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    finished[i] = c.finish_reason is not None
+                    yield chunk([choice])
+            if include_usage:
+                body = self._envelope("chat.completion.chunk", [])
+                body["usage"] = self._usage(sum(sent_tokens))
+                yield sse(body)
+        except APIError as e:  # the engine died mid-stream: the status line is sent already, so say it in-band
+            yield sse(e.body())
+        yield SSE_DONE

@@ -1,0 +1,170 @@
+"""POST /v1/completions: text or token-id prompts (one or several), echo, legacy logprobs, streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxinfer.server.body import parse_request
+from jaxinfer.server.context import ServingContext, new_id
+from jaxinfer.server.errors import APIError, bad_request, from_value_error
+from jaxinfer.server.generation import EngineRequest, final_output, run_request
+from jaxinfer.server.logprobs import completion_logprobs
+from jaxinfer.server.protocol import CompletionRequest
+from jaxinfer.server.sampling import check_prompt_fits, completion_params, reject_unsupported
+from jaxinfer.server.state import Ticket
+from jaxinfer.server.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    TrackedStream,
+    cancel_on_disconnect,
+    gather_all,
+    merge,
+    sse,
+)
+from jaxinfer.types import RequestOutput
+
+
+def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) for each prompt."""
+    p = req.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [p]  # one prompt as token ids
+    else:
+        items = list(p)
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    out = []
+    for item in items:
+        if not item:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(item, str):
+            out.append((item, ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)))
+        else:
+            out.append((None, list(item)))
+    return out
+
+
+async def create_completion(ctx: ServingContext, request: Request) -> Response:
+    req = await parse_request(request, CompletionRequest, ctx.args.max_body_bytes)
+    engine = ctx.state.require_ready()
+    model = ctx.model_name(req.model)
+    reject_unsupported(req)
+    subs = []
+    rid = new_id("cmpl")
+    for i, (text, ids) in enumerate(_prompts(req, ctx)):
+        check_prompt_fits(len(ids), ctx.context_tokens, "prompt")
+        params = completion_params(req, len(ids), ctx.context_tokens)
+        try:
+            ids = engine.validate(ids, params)
+        except ValueError as e:
+            raise from_value_error(e) from None
+        subs.append(EngineRequest(f"{rid}-{i}", text, ids, params))
+    ticket = ctx.state.admit(len(subs))
+    view = _View(ctx, req, subs, rid, model)
+    if req.stream:
+        return TrackedStream(view.stream(ticket), ticket.release)
+    try:
+        finals = await cancel_on_disconnect(
+            request, gather_all([final_output(ctx.state, ctx.metrics, s, ticket, i) for i, s in enumerate(subs)])
+        )
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+    finally:
+        ticket.release()
+    return JSONResponse(view.response(finals))
+
+
+class _View:
+    """Engine outputs -> OpenAI's text_completion objects. Choice index = prompt index * n + sample index."""
+
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, subs: list[EngineRequest], rid: str, model: str):
+        self.ctx, self.req, self.subs, self.rid, self.model = ctx, req, subs, rid, model
+        self.created = int(time.time())
+        self.n = req.n
+
+    def _echo(self, sub: EngineRequest) -> str:
+        if not self.req.echo:
+            return ""
+        return sub.prompt if sub.prompt is not None else self.ctx.tokenizer.decode(sub.prompt_ids, False)
+
+    def _logprobs(self, token_ids, entries, text_offset: int) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        return completion_logprobs(token_ids, entries or [], self.req.logprobs, self.ctx.token_text, text_offset)
+
+    def _usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = sum(len(s.prompt_ids) for s in self.subs)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}  # fmt: skip
+
+    def response(self, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for i, (sub, out) in enumerate(zip(self.subs, finals, strict=True)):
+            echo = self._echo(sub)
+            for c in out.outputs:
+                choices.append({
+                    "index": i * self.n + c.index,
+                    "text": echo + c.text,
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs, len(echo)),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                })  # fmt: skip
+        body = self._envelope(choices)
+        body["usage"] = self._usage(sum(len(c.token_ids) for out in finals for c in out.outputs))
+        return body
+
+    async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        sent_chars: dict[int, int] = {}  # choice index -> characters of its text already sent (echo excluded)
+        sent_tokens: dict[int, int] = {}
+        out_chars: dict[int, int] = {}  # characters sent including the echo: base of text_offset
+        finished: set[int] = set()
+        streams = [run_request(self.ctx.state, self.ctx.metrics, s, ticket, i) for i, s in enumerate(self.subs)]
+        try:
+            async for i, out in merge(streams):
+                for c in out.outputs:
+                    idx = i * self.n + c.index
+                    if idx in finished:
+                        continue
+                    first = idx not in sent_chars
+                    prefix = self._echo(self.subs[i]) if first else ""
+                    a, t = sent_chars.get(idx, 0), sent_tokens.get(idx, 0)
+                    delta = prefix + c.text[a:]
+                    if not delta and c.finish_reason is None:
+                        continue  # text held back (an unfinished character or a possible stop string)
+                    base = out_chars.get(idx, 0) + len(prefix)
+                    choice = {
+                        "index": idx,
+                        "text": delta,
+                        "logprobs": self._logprobs(c.token_ids[t:], (c.logprobs or [])[t:], base),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    sent_chars[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    out_chars[idx] = out_chars.get(idx, 0) + len(delta)
+                    if c.finish_reason is not None:
+                        finished.add(idx)
+                    chunk = self._envelope([choice])
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            if include_usage:
+                chunk = self._envelope([])
+                chunk["usage"] = self._usage(sum(sent_tokens.values()))
+                yield sse(chunk)
+        except APIError as e:  # the engine died mid-stream: the status line is sent already, so say it in-band
+            yield sse(e.body())
+        yield SSE_DONE

@@ -1,0 +1,97 @@
+"""Runs the app under uvicorn, with a draining shutdown on SIGTERM/SIGINT:
+
+1. stop admitting: /health and new requests answer 503 while the listener stays open (load balancers see the
+   server going away instead of refused connections);
+2. wait up to --graceful-shutdown-timeout for in-flight requests to finish;
+3. let uvicorn close the connections (requests still running are cancelled, which aborts them in the engine);
+4. the app's lifespan shuts the AsyncEngine down; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from jaxinfer.server.args import ServerArgs
+from jaxinfer.server.state import Phase, ServerState
+
+log = logging.getLogger(__name__)
+
+# Once draining ends, how long uvicorn waits for responses before cancelling them.
+_CANCEL_AFTER_S = 2.0
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._drain_deadline: float | None = None
+        self.load_failed = False
+        state.on_fatal = self._on_load_failure
+        state.load_on_lifespan = False  # loaded from startup() instead, once the sockets listen
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.state.start_loading()
+
+    def _on_load_failure(self) -> None:  # from the loader thread: only flags, the event loop polls them
+        self.load_failed = True
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not uvicorn's: it records the signal and raises it again after shutdown, so the process would die by
+        # SIGTERM (exit 143) rather than exit 0 after a clean drain.
+        if self._drain_deadline is not None:  # a second signal: stop waiting
+            self.should_exit = True
+            if sig == signal.SIGINT:
+                self.force_exit = True
+            return
+        log.info("signal %d: draining (up to %.0fs for %d requests)", sig, self.drain_timeout, self.state.in_flight)
+        self.state.begin_stopping()
+        self._drain_deadline = time.monotonic() + self.drain_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None and not self.should_exit:
+            if self.state.in_flight == 0:
+                log.info("drained: no request in flight")
+                self.should_exit = True
+            elif time.monotonic() >= self._drain_deadline:
+                log.warning("drain timeout: aborting %d in-flight requests", self.state.in_flight)
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(app: FastAPI, args: ServerArgs) -> int:
+    """Serves until SIGTERM/SIGINT; returns the process exit code (1 when the model failed to load)."""
+    state: ServerState = app.state.ctx.state
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=_CANCEL_AFTER_S,
+    )
+    server = DrainingServer(config, state, args.graceful_shutdown_timeout)
+    server.run()
+    if server.load_failed or state.phase is Phase.FAILED:
+        log.error("exiting: %s", state.error)
+        return 1
+    if state.loading:
+        # Stopped while the model loads: the loader thread may be inside XLA, and interpreter finalization under
+        # it aborts the process (SIGABRT). Nothing holds state worth cleaning up yet, so leave at once.
+        log.info("stopped during model loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0

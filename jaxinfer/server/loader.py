@@ -1,0 +1,35 @@
+"""Builds the (Engine, Tokenizer) pair the server runs, from the same settings `jaxinfer.LLM` takes.
+
+It is `jaxinfer.llm.build_engine`, the builder behind `LLM`, fed from the command line.
+Imports of jax live inside the function so that the HTTP side starts listening before jax initialises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from jaxinfer.server.args import ServerArgs
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(args: ServerArgs) -> tuple[Engine, Tokenizer]:
+    from jaxinfer.llm import build_engine as build
+
+    t0 = time.perf_counter()
+    engine, tokenizer = build(
+        args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_kv_tokens=args.num_kv_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        compilation_cache=(args.compilation_cache_dir or True) if args.enable_compilation_cache else False,
+    )  # fmt: skip
+    log.info("model %s loaded in %.1fs", args.model, time.perf_counter() - t0)
+    return engine, tokenizer

@@ -1,0 +1,77 @@
+"""Prometheus metrics (`GET /metrics`), named like vLLM's under a `jaxinfer:` prefix.
+
+Gauges of engine state are read at scrape time from plain ints and floats that the engine thread updates
+(list lengths, allocator counters): reading them from the HTTP thread is safe, mutating them would not be.
+Counters and histograms are updated by the request handlers on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from jaxinfer.server.state import Phase, ServerState
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                    80.0, 160.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.state
+        engine = s.engine.engine if s.engine is not None else None
+        running = waiting = used = total = 0
+        hit_rate = 0.0
+        if engine is not None:
+            running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+            used, total = engine.allocator.num_used, engine.allocator.num_pages
+            hit_rate = engine.allocator.hit_rate
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"jaxinfer:{name}", doc, value=value)
+
+        ready = s.phase is Phase.READY and s.engine is not None and s.engine.alive
+        yield gauge("server_ready", "1 when the model is loaded and the engine runs", float(ready))
+        yield gauge("num_requests_running", "Sequences in the running batch", running)
+        yield gauge("num_requests_waiting", "Sequences queued for admission to the batch", waiting)
+        yield gauge("num_requests_in_flight", "Engine requests admitted by the server and not finished", s.in_flight)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = full)",
+                    min(1.0, max(0.0, used / total)) if total else 0.0)  # fmt: skip
+        yield gauge("kv_cache_used_pages", "KV cache pages in use", used)
+        yield gauge("kv_cache_total_pages", "KV cache pages in the pool", total)
+        yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
+                    hit_rate)  # fmt: skip
+
+
+class Metrics:
+    """One registry per app, so that several servers (tests) in one process do not collide."""
+
+    def __init__(self, state: ServerState):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        r.register(_EngineCollector(state))
+        self.prompt_tokens = Counter("jaxinfer:prompt_tokens", "Prefilled prompt tokens", registry=r)
+        self.generation_tokens = Counter("jaxinfer:generation_tokens", "Generated tokens", registry=r)
+        self.request_success = Counter(
+            "jaxinfer:request_success",
+            "Finished sequences (one per choice) by finish reason; abort: the client left or the server stopped",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.http_errors = Counter("jaxinfer:http_errors", "Error responses by status", ["status"], registry=r)
+        self.ttft = Histogram("jaxinfer:time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram("jaxinfer:inter_token_latency_seconds", "Time between consecutive outputs of a request",
+                             buckets=_ITL_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("jaxinfer:e2e_request_latency_seconds", "Arrival to last output",
+                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,149 @@
+"""Request bodies of the OpenAI-compatible API (OpenAI's names, plus vLLM's sampling extras).
+
+Every model forbids unknown fields: a parameter we do not know is an error, never silently ignored. Parameters
+OpenAI defines but this server does not implement are declared (typed `Any`) so that the error can say so:
+`unsupported_fields` lists the ones a request set to anything but their "not used" value in `_NOT_USED`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+# The OpenAI fields this server knows but does not implement, with the value that means "not used".
+_NOT_USED: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "prompt_logprobs": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, False, True),  # meaningless without tools: any bool is fine
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None,),
+    "web_search_options": (None,),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class _Strict(BaseModel):
+    # strict: "1" is not a number and 1 is not a bool, as in OpenAI's own API.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility: it has no effect on the output
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Known but not implemented: see _NOT_USED.
+    prompt_logprobs: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    response_format: Any = None
+
+    def unsupported_fields(self) -> list[str]:
+        data = self.model_dump(exclude_unset=True)
+        return [k for k in _NOT_USED if k in data and data[k] not in _NOT_USED[k]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's extra: BOS & co. where the tokenizer adds them
+    suffix: Any = None
+
+
+class ContentPart(_Strict):
+    """A part of a message's content. Only text is implemented; the other OpenAI kinds are declared so that the
+    error can say they are not supported (see ChatMessage.text)."""
+
+    type: str
+    text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; ValueError naming the part that is not text."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported (only 'text')")
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: either a prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has BOS)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

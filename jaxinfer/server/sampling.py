@@ -1,0 +1,84 @@
+"""OpenAI request fields -> `SamplingParams`, with vLLM's OpenAI-server defaults.
+
+SamplingParams validates every value and names the field in its ValueError; that becomes a 400 with `param` set.
+"""
+
+from __future__ import annotations
+
+from jaxinfer.server.errors import APIError, bad_request, from_value_error
+from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from jaxinfer.types import SamplingParams
+
+
+def reject_unsupported(req: SamplingRequest) -> None:
+    for name in req.unsupported_fields():
+        raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def build_params(
+    req: SamplingRequest, max_tokens: int, logprobs: int | None, renames: dict[str, str] | None = None
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            temperature=_or(req.temperature, 1.0),
+            top_p=_or(req.top_p, 1.0),
+            top_k=_or(req.top_k, 0),
+            min_p=_or(req.min_p, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            logit_bias=req.logit_bias,
+            seed=req.seed,
+            stop=_or(req.stop, ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise from_value_error(e, renames) from None
+
+
+def completion_params(req: CompletionRequest, prompt_len: int, context: int) -> SamplingParams:
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported by this server", "best_of", "unsupported_parameter")
+    if req.echo and req.logprobs is not None:
+        # OpenAI then also scores the prompt tokens, which needs prompt logprobs: not implemented by the engine.
+        raise bad_request("echo with logprobs is not supported by this server", "echo", "unsupported_parameter")
+    # vLLM: an explicit null means "as many as fit".
+    max_tokens = req.max_tokens if req.max_tokens is not None else max(1, context - prompt_len)
+    return build_params(req, max_tokens, req.logprobs)
+
+
+def chat_params(req: ChatCompletionRequest, prompt_len: int, context: int) -> tuple[SamplingParams, dict[str, str]]:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    max_tokens = _or(req.max_completion_tokens, req.max_tokens)
+    renames = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        renames["max_tokens"] = "max_completion_tokens"
+    if max_tokens is None:  # vLLM's chat default: the rest of the context
+        max_tokens = max(1, context - prompt_len)
+    logprobs = _or(req.top_logprobs, 0) if req.logprobs else None
+    return build_params(req, max_tokens, logprobs, renames), renames
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int, param: str) -> None:
+    if prompt_len >= max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} tokens, "
+            "which leaves no room for a completion",
+            param,
+            "context_length_exceeded",
+        )

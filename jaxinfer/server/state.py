@@ -1,0 +1,155 @@
+"""The server's lifetime (starting -> ready -> stopping, or failed) and its admission counters.
+
+The model loads on a background thread so that the HTTP side answers (503) while it starts. Everything here is
+touched from the event loop thread only, except `_load`, which publishes the engine and then flips the phase.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from jaxinfer.server.args import ServerArgs
+from jaxinfer.server.errors import APIError
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.async_engine import AsyncEngine
+    from jaxinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Loader = Callable[[ServerArgs], tuple[Any, "Tokenizer"]]  # -> (Engine, Tokenizer)
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+class ServerState:
+    def __init__(self, args: ServerArgs, loader: Loader):
+        self.args = args
+        self._loader = loader
+        self.phase = Phase.STARTING
+        self.error: str | None = None
+        self.engine: AsyncEngine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.max_model_len = 0
+        self.kv_tokens = 0
+        self.max_logprobs = args.max_logprobs
+        self.in_flight = 0  # engine requests admitted and not finished
+        self.waiting = 0  # of those, the ones without a first token yet (the --max-waiting bound)
+        self.on_fatal: Callable[[], None] | None = None  # set by the runner: stop serving when loading fails
+        # Whether the app's lifespan starts the loading; DrainingServer clears it and starts it once listening.
+        self.load_on_lifespan = True
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------ lifetime
+
+    def start_loading(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._load, name="jaxinfer-loader", daemon=True)
+        self._thread.start()
+
+    @property
+    def loading(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _load(self) -> None:
+        from jaxinfer.engine.async_engine import AsyncEngine
+
+        try:
+            t0 = time.perf_counter()
+            engine, tokenizer = self._loader(self.args)
+            # Compile every step shape now, so that no request waits for a compilation.
+            warm = engine.runner.warmup()
+            log.info("compiled steps warmed up in %.1fs", warm)
+            self.tokenizer = tokenizer
+            self.max_model_len = engine.cc.max_model_len
+            self.kv_tokens = engine.runner.num_kv_tokens
+            self.max_logprobs = engine.cc.max_logprobs
+            self.engine = AsyncEngine(engine, tokenizer, self.args.max_waiting)
+            if self.phase is Phase.STARTING:  # a SIGTERM during loading keeps the server stopping
+                self.phase = Phase.READY
+            log.info("ready in %.1fs: serving %s", time.perf_counter() - t0, ", ".join(self.args.model_names))
+        except BaseException as e:
+            log.exception("loading the model failed")
+            self.error = f"loading the model failed: {type(e).__name__}: {e}"
+            self.phase = Phase.FAILED
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    def begin_stopping(self) -> None:
+        if self.phase is not Phase.FAILED:
+            self.phase = Phase.STOPPING
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.begin_stopping()
+        if self.engine is not None:
+            self.engine.shutdown(timeout)
+            log.info("engine shut down")
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def unavailable(self) -> APIError | None:
+        """Why no request can be served now, or None when one can."""
+        if self.phase is Phase.STARTING:
+            return APIError(503, "the model is still loading; retry shortly", code="model_loading")
+        if self.phase is Phase.FAILED:
+            return APIError(503, self.error or "the model failed to load", code="model_load_failed")
+        if self.phase is Phase.STOPPING:
+            return APIError(503, "the server is shutting down", code="shutting_down")
+        if self.engine is None or not self.engine.alive:
+            err = self.engine.error if self.engine is not None else None
+            return APIError(503, f"the engine stopped: {err!r}", code="engine_dead")
+        return None
+
+    def require_ready(self) -> AsyncEngine:
+        err = self.unavailable()
+        if err is not None:
+            raise err
+        assert self.engine is not None
+        return self.engine
+
+    def admit(self, num_requests: int) -> Ticket:
+        """Counts `num_requests` engine requests in, or raises 503/429 without counting anything."""
+        self.require_ready()
+        bound = self.args.max_waiting
+        if bound is not None and self.waiting + num_requests > bound:
+            raise APIError(
+                429, f"too many requests are waiting ({self.waiting}, at most {bound}); retry later", code="queue_full"
+            )
+        self.in_flight += num_requests
+        self.waiting += num_requests
+        return Ticket(self, num_requests)
+
+
+class Ticket:
+    """One HTTP request's share of the admission counters; `release` is idempotent and always called."""
+
+    def __init__(self, state: ServerState, num_requests: int):
+        self._state = state
+        self._unstarted = set(range(num_requests))
+        self._count = num_requests
+        self._released = False
+
+    def started(self, i: int) -> None:
+        """Engine request `i` got its first token: it no longer counts as waiting."""
+        if i in self._unstarted:
+            self._unstarted.discard(i)
+            self._state.waiting -= 1
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._state.waiting -= len(self._unstarted)
+        self._unstarted.clear()
+        self._state.in_flight -= self._count

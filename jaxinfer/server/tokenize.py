@@ -1,0 +1,43 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from jaxinfer.server.body import parse_request
+from jaxinfer.server.chat import render_chat
+from jaxinfer.server.context import ServingContext
+from jaxinfer.server.errors import bad_request
+from jaxinfer.server.protocol import DetokenizeRequest, TokenizeRequest
+
+
+async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
+    req = await parse_request(request, TokenizeRequest, ctx.args.max_body_bytes)
+    ctx.state.require_ready()
+    ctx.model_name(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    tk = ctx.tokenizer
+    if req.messages is not None:
+        text = render_chat(tk, req.messages, req.add_generation_prompt)
+        ids = tk.encode(text, add_special_tokens=bool(req.add_special_tokens))
+    else:
+        assert req.prompt is not None
+        ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    return JSONResponse({
+        "count": len(ids),
+        "max_model_len": ctx.state.max_model_len,
+        "tokens": ids,
+        "token_strs": [tk.id_to_token(i) for i in ids] if req.return_token_strs else None,
+    })  # fmt: skip
+
+
+async def detokenize(ctx: ServingContext, request: Request) -> JSONResponse:
+    req = await parse_request(request, DetokenizeRequest, ctx.args.max_body_bytes)
+    ctx.state.require_ready()
+    ctx.model_name(req.model)
+    vocab = ctx.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise bad_request(f"tokens: token ids must be in [0, {vocab})", "tokens")
+    return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})

@@ -1,0 +1,109 @@
+"""A real server (serve.py in a subprocess, on a free loopback port) shared by the server tests.
+
+The model is the small default one with a small cache, to keep start-up and the tests quick on a 2-core machine.
+The XLA compilation cache (~/.cache/jaxinfer/xla) makes every start after the first one much faster.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m-instruct"
+API_KEY = "sk-jaxinfer-test"
+# A 64-token step budget: 4 compiled step shapes instead of 6, so a cold start compiles a third less.
+SERVER_ARGS = ["--model", MODEL, "--num-kv-tokens", "4096", "--max-model-len", "512", "--max-num-seqs", "16",
+               "--max-num-batched-tokens", "64"]  # fmt: skip
+START_TIMEOUT_S = 900  # a cold start compiles every step: minutes on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def start_server(log_path: Path, *extra: str) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, str(REPO / "serve.py"), *SERVER_ARGS, "--host", "127.0.0.1", "--port", str(port), *extra]
+    log = log_path.open("w")
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def wait_ready(server: ServerProcess, timeout: float = START_TIMEOUT_S) -> float:
+    """Polls /health until 200; checks that it answers 503 (not a refused connection) while loading."""
+    t0 = time.monotonic()
+    seen_503 = False
+    while time.monotonic() - t0 < timeout:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
+        try:
+            r = httpx.get(f"{server.url}/health", timeout=5)
+        except httpx.TransportError:
+            time.sleep(0.2)
+            continue
+        if r.status_code == 200:
+            return time.monotonic() - t0
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+        seen_503 = True
+        time.sleep(0.5)
+    raise TimeoutError(f"server not ready after {timeout}s (saw 503: {seen_503}):\n{server.log_tail()}")
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory) -> ServerProcess:
+    srv = start_server(tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY)
+    try:
+        wait_ready(srv)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="package")
+def tokenizer():
+    from jaxinfer.model_files import smollm2_gguf
+    from jaxinfer.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf())
+
+
+@pytest.fixture()
+def http(server: ServerProcess):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client:
+        yield client

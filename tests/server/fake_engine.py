@@ -1,0 +1,94 @@
+"""A stand-in for `jaxinfer.engine.engine.Engine` with the same interface, for lifecycle tests that need control
+the real model cannot give: hold every step, or kill the engine thread on purpose.
+
+It "generates" token ids counting up from the last prompt token, one per step per sequence, and needs no jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxinfer.types import SamplingParams, SeqUpdate
+
+
+@dataclass
+class _CacheConfig:
+    max_model_len: int = 512
+    max_logprobs: int = 20
+
+
+@dataclass
+class _Runner:
+    num_kv_tokens: int = 4096
+
+    def warmup(self) -> float:
+        return 0.0
+
+
+@dataclass
+class _Allocator:
+    num_pages: int = 256
+    num_used: int = 0
+    hit_rate: float = 0.0
+
+
+@dataclass
+class _Scheduler:
+    running: list = field(default_factory=list)
+    waiting: list = field(default_factory=list)
+
+
+class FakeEngine:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.cc = _CacheConfig()
+        self.runner = _Runner()
+        self.allocator = _Allocator()
+        self.scheduler = _Scheduler()
+        self.seqs: dict[str, list] = {}  # seq id -> [next token, tokens left]
+        # While paused the engine thread idles (no step runs, commands such as aborts still do): requests stay
+        # waiting for their first token.
+        self.paused = False
+        self.fail_next_step = False
+
+    def validate(self, prompt_ids, params: SamplingParams) -> list[int]:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt: needs at least one token")
+        if len(prompt) + params.max_tokens > self.cc.max_model_len:
+            raise ValueError("max_tokens: prompt + max_tokens exceeds the maximum context length")
+        return prompt
+
+    def add_request(self, prompt_ids, params: SamplingParams, request_id: str) -> str:
+        sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for sid in sids:
+            self.seqs[sid] = [(prompt_ids[-1] + 1) % self.vocab_size, params.max_tokens]
+        self.allocator.num_used += len(sids)
+        return request_id
+
+    def _drop(self, sid: str) -> None:
+        if self.seqs.pop(sid, None) is not None:
+            self.allocator.num_used -= 1
+
+    def abort(self, request_id: str) -> None:
+        for sid in [s for s in self.seqs if s == request_id or s.startswith(f"{request_id}#")]:
+            self._drop(sid)
+
+    def finish_sequence(self, seq_id: str, reason: str, stop_reason=None) -> None:
+        self._drop(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs) and not self.paused
+
+    def step(self) -> list[SeqUpdate]:
+        if self.fail_next_step:
+            raise RuntimeError("injected engine failure")
+        updates = []
+        for sid, seq in list(self.seqs.items()):
+            tok = seq[0]
+            seq[0], seq[1] = (tok + 1) % self.vocab_size, seq[1] - 1
+            done = seq[1] == 0
+            if done:
+                self._drop(sid)
+            updates.append(SeqUpdate(sid, [tok], [], done, "length" if done else None))
+        return updates

@@ -1,0 +1,110 @@
+"""Bad requests get the right status and an OpenAI-shaped error naming the parameter; the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import MODEL
+
+OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def _completion(**overrides) -> bytes:
+    return json.dumps({**OK, **overrides}).encode()
+
+
+def _chat(**overrides) -> bytes:
+    return json.dumps({"messages": MSGS, **overrides}).encode()
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+# (name, path, raw body, status, param)
+CASES = [
+    ("malformed json", C, b'{"prompt": "hi",', 400, None),
+    ("json array", C, b'["hi"]', 400, None),
+    ("empty body", C, b"", 400, None),
+    ("NaN", C, b'{"prompt": "hi", "temperature": NaN}', 400, None),
+    ("invalid utf-8", C, b'{"prompt": "\xff\xfe\xfa"}', 400, None),
+    ("missing prompt", C, json.dumps({"model": MODEL}).encode(), 400, "prompt"),
+    ("max_tokens as string", C, _completion(max_tokens="8"), 400, "max_tokens"),
+    ("prompt as number", C, _completion(prompt=5), 400, "prompt"),
+    ("n as float", C, _completion(n=1.5), 400, "n"),
+    ("stream as string", C, _completion(stream="yes"), 400, "stream"),
+    ("temperature < 0", C, _completion(temperature=-0.5), 400, "temperature"),
+    ("top_p = 0", C, _completion(top_p=0), 400, "top_p"),
+    ("top_p > 1", C, _completion(top_p=1.5), 400, "top_p"),
+    ("n < 1", C, _completion(n=0), 400, "n"),
+    ("max_tokens = 0", C, _completion(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens < 0", C, _completion(max_tokens=-3), 400, "max_tokens"),
+    ("max_tokens over context", C, _completion(max_tokens=100_000), 400, "max_tokens"),
+    ("empty prompt", C, _completion(prompt=""), 400, "prompt"),
+    ("empty prompt list", C, _completion(prompt=[]), 400, "prompt"),
+    ("empty prompt in list", C, _completion(prompt=["a", ""]), 400, "prompt"),
+    ("prompt over context", C, _completion(prompt="hello " * 700), 400, "prompt"),
+    ("token id out of vocab", C, _completion(prompt=[1, 10_000_000]), 400, "prompt"),
+    ("logprobs over max", C, _completion(logprobs=21), 400, "logprobs"),
+    ("bad logit_bias key", C, _completion(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit_bias id out of vocab", C, _completion(logit_bias={"99999999": 1}), 400, "logit_bias"),
+    ("seed < 0", C, _completion(seed=-1), 400, "seed"),
+    ("empty stop string", C, _completion(stop=[""]), 400, "stop"),
+    ("stream_options without stream", C, _completion(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("unknown parameter", C, _completion(frobnicate=1), 400, "frobnicate"),
+    ("unknown stream option", C, _completion(stream=True, stream_options={"x": 1}), 400, "stream_options.x"),
+    ("best_of", C, _completion(best_of=3), 400, "best_of"),
+    ("suffix", C, _completion(suffix="end"), 400, "suffix"),
+    ("prompt_logprobs", C, _completion(prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("echo with logprobs", C, _completion(echo=True, logprobs=1), 400, "echo"),
+    ("chat: no messages", CHAT, _chat(messages=[]), 400, "messages"),
+    ("chat: bad role", CHAT, _chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role"),
+    ("chat: max_completion_tokens = 0", CHAT, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("chat: tools", CHAT, _chat(tools=TOOLS), 400, "tools"),
+    ("chat: json mode", CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat: top_logprobs without logprobs", CHAT, _chat(top_logprobs=2), 400, "top_logprobs"),
+    ("chat: image part", CHAT, _chat(messages=IMAGE), 400, "messages.0.content"),
+    ("unknown model", C, _completion(model="gpt-17"), 404, "model"),
+    ("unknown model (chat)", CHAT, _chat(model="gpt-17"), 404, "model"),
+    ("detokenize out of vocab", "/detokenize", json.dumps({"tokens": [-1]}).encode(), 400, "tokens"),
+]
+
+
+def _check_error(r, status: int, param: str | None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "param"), CASES, ids=[c[0] for c in CASES])
+def test_bad_request(http, name, path, body, status, param):
+    r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    err = _check_error(r, status, param)
+    if name in ("best_of", "suffix", "prompt_logprobs", "chat: tools", "chat: json mode", "chat: image part"):
+        assert "not supported" in err["message"]
+
+
+def test_oversized_body(http):
+    body = json.dumps({**OK, "prompt": "x" * (5 * 2**20)}).encode()
+    _check_error(http.post("/v1/completions", content=body), 413, None)
+
+
+def test_unknown_route_and_method(http):
+    _check_error(http.get("/v1/nothing-here"), 404, None)
+    _check_error(http.get("/v1/completions"), 405, None)
+
+
+def test_still_serving_after_errors(http):
+    for _ in range(2):
+        http.post("/v1/completions", content=b"{oops")
+        r = http.post("/v1/completions", json=OK)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert http.get("/health").status_code == 200
+    metrics = http.get("/metrics").text
+    assert 'jaxinfer:http_errors_total{status="400"}' in metrics

@@ -1,0 +1,190 @@
+"""Start-up, overload, engine failure and shutdown, on an in-process server (real uvicorn on a loopback port)
+whose engine is `FakeEngine`: these states cannot be produced on demand with the real model."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from jaxinfer.server.app import build_app
+from jaxinfer.server.args import ServerArgs
+from jaxinfer.server.http import DrainingServer
+from tests.server.conftest import REPO, free_port, start_server
+from tests.server.fake_engine import FakeEngine
+
+BODY = {"prompt": "Hello there", "max_tokens": 4}
+
+
+class InProcessServer:
+    def __init__(self, tokenizer, load_gate: threading.Event | None = None, fail_load: bool = False, **kw):
+        self.engine = FakeEngine(tokenizer.vocab_size)
+        self.load_gate = load_gate
+
+        def loader(args):
+            if self.load_gate is not None:
+                assert self.load_gate.wait(30)
+            if fail_load:
+                raise FileNotFoundError("no such model")
+            return self.engine, tokenizer
+
+        self.args = ServerArgs(model="fake", port=free_port(), **kw)
+        self.app = build_app(self.args, loader)
+        self.state = self.app.state.ctx.state
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.args.port, log_level="warning",
+                                timeout_graceful_shutdown=1)  # fmt: skip
+        self.server = DrainingServer(config, self.state, self.args.graceful_shutdown_timeout)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.args.port}"
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 30
+        while self.http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.engine.paused = False
+        if self.load_gate is not None:
+            self.load_gate.set()
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture()
+def make_server(tokenizer):
+    servers = []
+
+    def make(**kw) -> InProcessServer:
+        servers.append(InProcessServer(tokenizer, **kw))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def _error(r: httpx.Response, status: int, code: str) -> None:
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code, r.text
+
+
+def test_503_while_loading_then_ready(make_server):
+    gate = threading.Event()
+    srv = make_server(load_gate=gate)
+    _error(srv.http.get("/health"), 503, "model_loading")
+    _error(srv.http.post("/v1/completions", json=BODY), 503, "model_loading")
+    _error(srv.http.get("/v1/models"), 503, "model_loading")
+    assert "jaxinfer:server_ready 0.0" in srv.http.get("/metrics").text
+    gate.set()
+    srv.wait_ready()
+    r = srv.http.post("/v1/completions", json=BODY)  # no --api-key: no header needed
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert "jaxinfer:server_ready 1.0" in srv.http.get("/metrics").text
+
+
+def test_load_failure_stops_the_server(make_server):
+    srv = make_server(fail_load=True)
+    srv.thread.join(30)
+    assert not srv.thread.is_alive() and srv.server.load_failed
+    assert "no such model" in srv.state.error
+
+
+def test_429_when_the_queue_is_full(make_server):
+    srv = make_server(max_waiting=2)
+    srv.wait_ready()
+    srv.engine.paused = True  # nothing gets a first token: every admitted request stays waiting
+    with ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(srv.http.post, "/v1/completions", json=BODY) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while srv.state.waiting < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        _error(srv.http.post("/v1/completions", json=BODY), 429, "queue_full")
+        srv.engine.paused = False
+        assert [f.result().status_code for f in held] == [200, 200]
+    assert srv.http.post("/v1/completions", json=BODY).status_code == 200
+    assert srv.state.waiting == srv.state.in_flight == 0
+
+
+def test_engine_death_is_503(make_server):
+    srv = make_server()
+    srv.wait_ready()
+    srv.engine.fail_next_step = True
+    _error(srv.http.post("/v1/completions", json=BODY), 503, "engine_dead")
+    _error(srv.http.get("/health"), 503, "engine_dead")
+    _error(srv.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 503,
+           "engine_dead")  # fmt: skip
+
+
+def test_non_streaming_disconnect_aborts(make_server):
+    srv = make_server()
+    srv.wait_ready()
+    srv.engine.paused = True
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{srv.url}/v1/completions", json=BODY, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while srv.state.in_flight or srv.engine.seqs:
+        assert time.monotonic() < deadline, (srv.state.in_flight, srv.engine.seqs)
+        time.sleep(0.02)
+
+
+def test_drain_timeout_aborts_what_is_left(make_server):
+    srv = make_server(graceful_shutdown_timeout=0.5)
+    srv.wait_ready()
+    srv.engine.paused = True
+    with httpx.Client(base_url=srv.url, timeout=30) as c, c.stream("POST", "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 4,
+    }) as r:  # fmt: skip
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # the role chunk: the request is in flight
+        srv.server.handle_exit(signal.SIGTERM, None)
+        _error(srv.http.get("/health"), 503, "shutting_down")
+        _error(srv.http.post("/v1/completions", json=BODY), 503, "shutting_down")
+        srv.thread.join(30)
+        assert not srv.thread.is_alive()
+        with pytest.raises(httpx.RemoteProtocolError):  # cut off mid-stream, not finished
+            list(lines)
+    assert srv.state.in_flight == 0
+
+
+def test_sigterm_while_loading_exits_zero(tmp_path):
+    """The real server, stopped while it compiles its steps: a clean exit, not an abort under XLA."""
+    srv = start_server(tmp_path / "server.log")
+    try:
+        deadline = time.monotonic() + 120
+        while "loaded in" not in srv.log_tail(20000):  # weights are in: the warm-up compilations run now
+            assert srv.proc.poll() is None and time.monotonic() < deadline, srv.log_tail()
+            time.sleep(0.1)
+        _error(httpx.get(f"{srv.url}/health", timeout=5), 503, "model_loading")
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0, srv.log_tail()
+    finally:
+        srv.stop()
+
+
+def test_cli_rejects_parallelism_and_bad_models():
+    r = subprocess.run([sys.executable, "serve.py", "--tensor-parallel-size", "0"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "tensor-parallel-size" in r.stderr
+    port = str(free_port())
+    r = subprocess.run([sys.executable, "serve.py", "--tensor-parallel-size", "2", "--port", port], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 1 and "devices" in r.stdout + r.stderr  # one CPU device: a clear error, no hang
+    port = str(free_port())
+    r = subprocess.run([sys.executable, "serve.py", "--model", "/nonexistent/model.gguf", "--port", port],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 1 and "does not exist" in r.stdout + r.stderr
