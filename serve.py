@@ -21,11 +21,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every restore step at info
-    if args.num_processes > 1:
+    if args.num_processes > 1 or args.coordinator_address:
         from jaxinfer import distributed
 
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-        if args.process_id != 0:
+        if not distributed.is_lead():
             # A follower serves no HTTP: it loads its shards and runs every step the lead announces.
             engine, _ = build_engine(args)
             distributed.follow(engine.runner)

@@ -35,7 +35,7 @@ class ServerArgs:
     data_parallel_size: int = 1
     coordinator_address: str | None = None
     num_processes: int = 1
-    process_id: int = 0
+    process_id: int | None = None
     graceful_shutdown_timeout: float = 30.0
     compilation_cache_dir: str | None = None
     enable_compilation_cache: bool = True
@@ -106,7 +106,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator-address", default=None,
                    help="multi-host: HOST:PORT of process 0 (with --num-processes and --process-id)")  # fmt: skip
     p.add_argument("--num-processes", type=_positive_int, default=1, help="multi-host: number of processes")
-    p.add_argument("--process-id", type=int, default=0, help="multi-host: this process's rank; 0 serves HTTP")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="multi-host: this process's rank (0 serves HTTP); jax finds it itself on TPU pods and SLURM")  # fmt: skip
     p.add_argument(
         "--graceful-shutdown-timeout",
         type=float,
