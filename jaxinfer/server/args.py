@@ -107,7 +107,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="multi-host: HOST:PORT of process 0 (with --num-processes and --process-id)")  # fmt: skip
     p.add_argument("--num-processes", type=_positive_int, default=1, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None,
-                   help="multi-host: this process's rank (0 serves HTTP); jax finds it itself on TPU pods and SLURM")  # fmt: skip
+                   help="multi-host: this process's rank (0 serves HTTP); found by jax on TPU pods, SLURM")  # fmt: skip
     p.add_argument(
         "--graceful-shutdown-timeout",
         type=float,
