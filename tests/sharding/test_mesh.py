@@ -213,3 +213,17 @@ def test_kv_heads_that_cannot_replicate_evenly():
     cfg = _tiny_cfg().replace(num_heads=12, num_kv_heads=3, intermediate_size=96, vocab_size=96)
     with pytest.raises(ShardingError, match="num_kv_heads"):
         placer(cfg, make_mesh(4, 1), "float32")
+
+
+@child_only
+def test_sharded_steps_compile_nothing_after_warmup():
+    from jaxinfer.engine.runner import compile_count
+
+    cfg = _tiny_cfg()
+    params = jax.tree.map(np.asarray, init_params(cfg, seed=3, std=0.3))
+    eng = _engine(cfg, params, make_mesh(4, 1))
+    eng.runner.warmup()
+    before = compile_count()
+    _greedy(eng, _prompts(cfg.vocab_size))
+    _greedy(eng, _prompts(cfg.vocab_size)[::-1])
+    assert compile_count() == before
