@@ -133,7 +133,9 @@ class AsyncEngine:
                     self._deliver(rid, e)
             elif cmd[0] == "abort":
                 self.engine.abort(cmd[1])
-                self.processor.forget(cmd[1])
+                final = self.processor.abort(cmd[1])  # finish_reason "abort": a caller still waiting returns
+                if final is not None:
+                    self._deliver(cmd[1], final)
 
     def _loop(self) -> None:
         try:

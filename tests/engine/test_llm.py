@@ -203,6 +203,17 @@ def test_async_engine_streams_and_aborts(tiny):
                     break
 
         await asyncio.gather(*(cut() for _ in range(1)))
+
+        async def aborted_by_another_task():
+            outs = []
+            async for o in ae.generate([6, 7], SamplingParams(max_tokens=50, temperature=0.0), "d"):
+                outs.append(o)
+                if len(outs) == 1:
+                    ae.abort("d")
+            return outs[-1]
+
+        last = await asyncio.wait_for(aborted_by_another_task(), timeout=30)
+        assert last.finished and last.outputs[0].finish_reason == "abort"
         with pytest.raises(ValueError, match="max_tokens"):
             async for _ in ae.generate([1] * 10, SamplingParams(max_tokens=60), "c"):
                 pass
