@@ -21,10 +21,15 @@ def tiny_config() -> ModelConfig:
 
 
 def host_getter(cfg: ModelConfig):
-    """The same random weights in every process, served in PyTorch layout through HF names (numpy only, so
-    nothing runs on a device before jax.distributed is up)."""
+    """The same random weights in every process (numpy RNG), served through HF names."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         params = jax.tree.map(np.asarray, init_params(cfg, seed=4, std=0.4))
+    return getter_for(cfg, params)
+
+
+def getter_for(cfg: ModelConfig, params):
+    """Serves host params in our layout back in PyTorch layout by HF name, so tests place them through the real
+    loading path (`jaxinfer.weights.layout.build_on_mesh`)."""
     table = {}
 
     def walk(tree, path):

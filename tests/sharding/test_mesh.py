@@ -44,6 +44,7 @@ if CHILD:
     from jaxinfer.types import SamplingParams
     from jaxinfer.weights import load_weights
     from jaxinfer.weights.layout import build_on_mesh
+    from tests.sharding.multihost_common import getter_for
 
 CC = dict(page_size=8, num_pages=48, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32)
 PROMPT_LENS = (3, 11, 26)
@@ -71,7 +72,7 @@ def _greedy(engine, prompts):
 
 def _engine(cfg, params_np, mesh):
     """An engine (or data-parallel engine) on `mesh` from host params (one device when mesh is None)."""
-    get = _getter(cfg, params_np)
+    get = getter_for(cfg, params_np)
     if mesh is None:
         c, p = build_on_mesh(cfg, get, "float32")
         return Engine(c, p, CacheConfig(**CC))
@@ -79,38 +80,6 @@ def _engine(cfg, params_np, mesh):
     if mesh.shape["data"] == 1:
         return Engine(c, p, CacheConfig(**CC), mesh=mesh)
     return DataParallelEngine(c, p, mesh, CacheConfig(**CC))
-
-
-def _getter(cfg, params_np):
-    """Serves host params back through the HF-name getter so they go through the real placement path."""
-    from jaxinfer.weights.layout import hf_name
-
-    table = {}
-
-    def walk(tree, path):
-        if isinstance(tree, dict):
-            for k, v in tree.items():
-                walk(v, (*path, k))
-        elif isinstance(tree, list):
-            for i, v in enumerate(tree):
-                walk(v, (*path, i))
-        else:
-            table[hf_name(cfg, path)] = _to_torch_layout(cfg, path[-1], np.asarray(tree))
-
-    walk(params_np, ())
-    return table.get
-
-
-def _to_torch_layout(cfg, key, x):
-    if key in ("q", "k", "v"):
-        return x.reshape(x.shape[0], -1).T
-    if key == "o":
-        return x.reshape(-1, x.shape[-1]).T
-    if key in ("lm_head", "gate", "up", "down"):
-        return x.T
-    if key.endswith("_bias") and x.ndim == 2:
-        return x.reshape(-1)
-    return x
 
 
 @child_only
@@ -129,8 +98,8 @@ def test_sharded_logits_match(tp):
     cfg = _tiny_cfg()
     params = jax.tree.map(np.asarray, init_params(cfg, seed=2, std=0.3))
     mesh = make_mesh(tp, 1)
-    c1, p1 = build_on_mesh(cfg, _getter(cfg, params), "float32")
-    c2, p2 = build_on_mesh(cfg, _getter(cfg, params), "float32", mesh)
+    c1, p1 = build_on_mesh(cfg, getter_for(cfg, params), "float32")
+    c2, p2 = build_on_mesh(cfg, getter_for(cfg, params), "float32", mesh)
     tokens = np.array([[5, 9, 17, 33, 2, 0, 0, 0]], np.int32)
     pos = np.arange(8, dtype=np.int32)[None]
     valid = pos < 5
@@ -180,7 +149,7 @@ def test_per_device_memory_is_one_over_t(tp):
     params = jax.tree.map(np.asarray, init_params(cfg, seed=0))
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     mesh = make_mesh(tp, 1)
-    c, p = build_on_mesh(cfg, _getter(cfg, params), "float32", mesh)
+    c, p = build_on_mesh(cfg, getter_for(cfg, params), "float32", mesh)
     # Norms are replicated: allow them on top of the 1/T share.
     norms = sum(x.nbytes for x in jax.tree.leaves(params) if x.ndim == 1)
     assert _per_device_bytes(p) <= total / tp + norms
