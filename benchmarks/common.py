@@ -1,0 +1,114 @@
+"""Helpers shared by the engine benchmarks (bench_offline, bench_latency, roofline).
+
+Random-weight models at real shapes (`--shape`), so a GPU run needs neither weight files nor a tokenizer, and the
+run metadata every JSON carries (device, jax version, date, command line, machine load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from benchmarks.bench_attention import format_table
+from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer.model import init_params, param_shapes
+from jaxinfer.model.transformer import Params
+
+__all__ = ["SHAPES", "format_table", "metadata", "random_params", "shape_config", "load_avg"]
+
+# Real shapes of a few public models (their config.json values), for random-weight runs. `tiny` is for smoke
+# tests: it compiles in about a second on CPU.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(
+        arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, norm_eps=1e-5, max_position_embeddings=8192,
+        rope=RopeConfig(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position=8192),
+    ),
+    "qwen3-0.6b": dict(
+        arch="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+        num_kv_heads=8, head_dim=128, norm_eps=1e-6, max_position_embeddings=40960, qk_norm=True,
+        tie_word_embeddings=True, rope=RopeConfig(theta=1000000.0),
+    ),
+    "smollm2-135m": dict(
+        arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
+        rope=RopeConfig(theta=100000.0),
+    ),
+    "tiny": dict(
+        arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+# Above this many parameters the weights are drawn on the device: init_params draws them with numpy on one host
+# core, which takes minutes for an 8B model.
+_HOST_INIT_MAX_PARAMS = 1_000_000_000
+
+
+def shape_config(name: str, dtype: str = "bfloat16") -> ModelConfig:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; expected one of {sorted(SHAPES)}")
+    return ModelConfig(**SHAPES[name], dtype=dtype)
+
+
+def num_params(cfg: ModelConfig) -> int:
+    return int(sum(np.prod(s) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))))
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> Params:
+    """Random weights at the config's shapes: `jaxinfer.model.init_params`, or the same recipe on the device
+    for models over a billion parameters (norms at their identity, everything else normal * std)."""
+    if num_params(cfg) <= _HOST_INIT_MAX_PARAMS:
+        return init_params(cfg, seed=seed, std=std)
+    dtype = jnp.dtype(cfg.dtype)
+    keys = iter(jax.random.split(jax.random.key(seed), 4096))
+
+    def build(tree: Any, key: str = "") -> Any:
+        if isinstance(tree, dict):
+            return {k: build(v, k) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [build(v, key) for v in tree]
+        if key.endswith("norm"):
+            return jnp.full(tree, 1.0 - cfg.norm_offset, dtype)
+        return _normal(next(keys), tree, dtype, std)
+
+    return build(param_shapes(cfg))
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: float) -> jax.Array:
+    # One small jit per distinct shape (a handful per model); drawn in f32 then cast, like init_params.
+    return jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype))(key)
+
+
+def load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def metadata(prog: str, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """What the JSON needs to be read later: device, versions, date, command, the resolved flags, machine load."""
+    dev = jax.devices()[0]
+    return dict(
+        device_kind=dev.device_kind,
+        platform=dev.platform,
+        device_count=jax.device_count(),
+        jax_version=jax.__version__,
+        jaxlib_version=jaxlib.__version__,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        host=dict(cpu_count=os.cpu_count(), machine=platform.machine(), python=platform.python_version()),
+        load_avg_start=load_avg(),
+        command=" ".join([f"python -m {prog}", *argv]),
+        config={k: v for k, v in vars(args).items() if k != "out"},
+    )

