@@ -310,8 +310,8 @@ def run_reference(
         if proc.returncode < 0:
             why = f"killed by {signal.Signals(-proc.returncode).name}"
         if proc.returncode == -signal.SIGILL:
-            # Seen with the shared llama-cpp-python wheel on AMD Zen 4: it is built with GGML_AVX_VNNI=ON, and
-            # the quantized dot products then use VEX-encoded VNNI, which CPUs with only avx512_vnni lack.
+            # Seen with the shared llama-cpp-python wheel on an AVX-512 EPYC: built with GGML_AVX_VNNI=ON, its
+            # quantized dot products use VEX-encoded vpdpbusd, which CPUs with only avx512_vnni lack.
             why += " (illegal instruction: the wheel was built for instructions this CPU lacks, e.g. avx_vnni)"
         notes.append(f"{engine}: FAILED ({why}); log tail: {' | '.join(tail)[-300:]}")
         print(f"note: {notes[-1]}", flush=True)

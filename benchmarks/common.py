@@ -25,12 +25,12 @@ from jaxinfer.model.transformer import Params
 
 __all__ = ["SHAPES", "format_table", "metadata", "random_params", "shape_config", "load_avg"]
 
-# Real shapes of a few public models (their config.json values), for random-weight runs. `tiny` is for smoke
-# tests: it compiles in about a second on CPU.
+# Real shapes of a few public models (their config.json values; llama3-8b is Llama-3.1-8B, with its llama3 RoPE
+# scaling), for random-weight runs. `tiny` is for smoke tests: it compiles in about a second on CPU.
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(
         arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, norm_eps=1e-5, max_position_embeddings=8192,
+        num_kv_heads=8, head_dim=128, norm_eps=1e-5, max_position_embeddings=131072,
         rope=RopeConfig(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                         original_max_position=8192),
     ),

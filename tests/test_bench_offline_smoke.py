@@ -130,3 +130,16 @@ def test_roofline_counts_and_cli(tmp_path: Path) -> None:
     assert [r["batch"] for r in res["decode"]] == [1, 8, 32]
     assert all(r["bw_floor_s"] > 0 and r["max_tok_s"] > 0 for r in res["decode"])
     assert all(r["compute_floor_s"] > 0 for r in res["prefill"])
+
+
+def test_random_params_device_path_matches_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import common
+    from jaxinfer.model import check_params
+
+    cfg = common.shape_config("tiny", "bfloat16")
+    monkeypatch.setattr(common, "_HOST_INIT_MAX_PARAMS", 0)  # take the on-device path used for billion-param shapes
+    params = common.random_params(cfg)
+    check_params(cfg, params)
+    assert params["embed"].dtype == jax.numpy.bfloat16
+    assert float(params["final_norm"][0]) == 1.0
+    assert 0.01 < float(jax.numpy.std(params["layers"][0]["q"].astype("float32"))) < 0.03
