@@ -95,13 +95,11 @@ class DataParallelEngine:
         updates: list[SeqUpdate] = []
         for e, s in zip(self.replicas, started, strict=True):
             updates += e.finish_step(s)
-        for u in updates:
-            if u.finished and u.request_id.split("#")[0] not in self._live_ids():
-                self._owner.pop(u.request_id.split("#")[0], None)
+        # Forget requests no replica holds any more (finished, stopped by a stop string, or aborted there).
+        live = {rid for e in self.replicas for rid in e.groups}
+        for rid in [r for r in self._owner if r not in live]:
+            del self._owner[rid]
         return updates
-
-    def _live_ids(self) -> set[str]:
-        return {rid for e in self.replicas for rid in e.groups}
 
     @property
     def allocator(self) -> _PoolView:
