@@ -515,8 +515,9 @@ def prefill_table(rows: list[dict[str, Any]]) -> str:
 # --- CLI -----------------------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    vals = [int(x) for x in text.split(",") if x.strip()]
+def int_list(text: str) -> list[int]:
+    """A comma list of positive ints (the benchmarks' shape flags)."""
+    vals = [int(x) for x in str(text).split(",") if x.strip()]
     if not vals or min(vals) <= 0:
         raise argparse.ArgumentTypeError(f"expected a comma list of positive ints, got {text!r}")
     return vals
@@ -554,7 +555,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     for name in ("batch", "context", "prefill_seqs", "prefill_len"):
-        setattr(args, name, _ints(str(getattr(args, name))))
+        setattr(args, name, int_list(getattr(args, name)))
     if args.dtype not in DTYPES:
         p.error(f"--dtype {args.dtype!r}: expected one of {sorted(DTYPES)}")
     if args.heads % args.kv_heads:

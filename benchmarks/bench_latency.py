@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import SHAPES, format_table, load_avg, metadata, random_params, shape_config
+from benchmarks.common import SHAPES, format_table, int_list, load_avg, metadata, random_params, shape_config
 
 FULL_DEFAULTS: dict[str, Any] = dict(prefill_len="128,512,2048", batch="1,8,32", context=512, warmup=2, iters=10)
 QUICK_DEFAULTS: dict[str, Any] = dict(prefill_len="16,32", batch="1,3", context=24, warmup=1, iters=3)
@@ -198,13 +198,6 @@ def bench_decode(engine: Any, batch: int, args: argparse.Namespace, rng: np.rand
     )  # fmt: skip
 
 
-def _ints(text: str) -> list[int]:
-    vals = [int(x) for x in str(text).split(",") if x.strip()]
-    if not vals or min(vals) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive ints, got {text!r}")
-    return vals
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_latency", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path (ignored with --shape)")
@@ -231,7 +224,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.prefill_len, args.batch = _ints(args.prefill_len), _ints(args.batch)
+    args.prefill_len, args.batch = int_list(args.prefill_len), int_list(args.batch)
     args.sections = [s for s in args.sections.split(",") if s]
     if not set(args.sections) <= {"prefill", "decode"}:
         p.error(f"--sections: unknown section in {args.sections}")

@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from benchmarks.bench_attention import format_table
+from benchmarks.bench_attention import format_table, int_list
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.model import init_params, param_shapes
 from jaxinfer.model.transformer import Params
 
-__all__ = ["SHAPES", "format_table", "metadata", "random_params", "shape_config", "load_avg"]
+__all__ = ["SHAPES", "format_table", "int_list", "metadata", "random_params", "shape_config", "load_avg"]
 
 # Real shapes of a few public models (their config.json values; llama3-8b is Llama-3.1-8B, with its llama3 RoPE
 # scaling), for random-weight runs. `tiny` is for smoke tests: it compiles in about a second on CPU.

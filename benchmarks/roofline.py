@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import SHAPES, format_table, metadata, num_params, shape_config
+from benchmarks.common import SHAPES, format_table, int_list, metadata, num_params, shape_config
 from jaxinfer.config import ModelConfig
 
 # Dense peak FLOP/s by device kind (substring match, first hit wins), for bf16 / fp32 inputs. Vendor spec sheets;
@@ -191,10 +191,6 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return cfg
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.split("\n")[0])
@@ -209,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = model_config(args)
     bw, bw_src, flops, flops_src = resolve_peaks(args, cfg.dtype)
-    decode, prefill = roofline_rows(cfg, _ints(args.batch), args.context, _ints(args.prefill_len), bw, flops)
+    decode, prefill = roofline_rows(cfg, int_list(args.batch), args.context, int_list(args.prefill_len), bw, flops)
     print(
         f"{args.shape or args.model}: {num_params(cfg) / 1e6:.1f}M params ({cfg.dtype}), "
         f"{decode_weight_bytes(cfg, 1) / 2**20:.0f} MiB read per decode step, "
