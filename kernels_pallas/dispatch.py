@@ -7,9 +7,9 @@ static options, so the choice is made at trace time and is safe inside ``jax.jit
 impl:
   None          -> by ``jax.default_backend()``: "gpu" -> "pallas_gpu", "tpu" -> "pallas_tpu", else "reference"
   "pallas_gpu"  -> Triton Pallas kernel, then reference
-  "pallas_tpu"  -> Mosaic TPU Pallas kernel (decode only), then reference
+  "pallas_tpu"  -> Mosaic TPU Pallas kernel, then reference
   "interpret"   -> the Pallas kernels in interpret mode (GPU-style first, then TPU-style), then reference
-  "interpret_tpu" -> the TPU decode kernel in interpret mode, then reference
+  "interpret_tpu" -> the TPU kernel in interpret mode, then reference
   "reference"   -> pure jnp
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from kernels_pallas import decode_gpu, decode_tpu, ragged_gpu, reference
+from kernels_pallas import decode_gpu, decode_tpu, ragged_gpu, ragged_tpu, reference
 from kernels_pallas.common import UnsupportedCase
 
 _log = logging.getLogger(__name__)
@@ -83,6 +83,13 @@ def _ragged_gpu(interpret: bool) -> _Candidate:
     return _Candidate("pallas_gpu_interpret" if interpret else "pallas_gpu", check, run)
 
 
+def _ragged_tpu(interpret: bool) -> _Candidate:
+    def run(q, k_pages, v_pages, *tables, **kw):
+        return ragged_tpu.ragged_paged_attention(q, k_pages, v_pages, *tables, interpret=interpret, **kw)
+
+    return _Candidate("pallas_tpu_interpret" if interpret else "pallas_tpu", ragged_tpu.check_supported, run)
+
+
 _DECODE_REF = _Candidate("reference", _no_check, reference.paged_decode_attention)
 _RAGGED_REF = _Candidate("reference", _no_check, reference.ragged_paged_attention)
 
@@ -109,13 +116,11 @@ def decode_candidates(impl: str | None = None) -> list[_Candidate]:
 
 def ragged_candidates(impl: str | None = None) -> list[_Candidate]:
     impl = _resolve_impl(impl)
-    # No TPU ragged kernel yet: jax's own TPU ragged kernel wants K/V interleaved in one pool
-    # ([pages, page_size, 2 * Hkv, D]), which this engine's separate pools cannot feed without a copy.
     kernels = {
         "pallas_gpu": [_ragged_gpu(False)],
-        "pallas_tpu": [],
-        "interpret": [_ragged_gpu(True)],
-        "interpret_tpu": [],
+        "pallas_tpu": [_ragged_tpu(False)],
+        "interpret": [_ragged_gpu(True), _ragged_tpu(True)],
+        "interpret_tpu": [_ragged_tpu(True)],
         "reference": [],
     }[impl]
     return [*kernels, _RAGGED_REF]

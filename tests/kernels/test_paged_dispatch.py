@@ -30,9 +30,9 @@ def _shapes(head_dim: int, page_size: int = 16, dtype=jnp.float32):
     "impl,decode,ragged",
     [
         ("pallas_gpu", "pallas_gpu", "pallas_gpu"),
-        ("pallas_tpu", "pallas_tpu", "reference"),
+        ("pallas_tpu", "pallas_tpu", "pallas_tpu"),
         ("interpret", "pallas_gpu_interpret", "pallas_gpu_interpret"),
-        ("interpret_tpu", "pallas_tpu_interpret", "reference"),
+        ("interpret_tpu", "pallas_tpu_interpret", "pallas_tpu_interpret"),
         ("reference", "reference", "reference"),
     ],
 )
