@@ -49,9 +49,11 @@ def build_engine(
     data_parallel_size: int = 1,
     attn_impl: str | None = None,
     compilation_cache: bool | str = True,
+    overlap_scheduling: bool = True,
 ) -> tuple[Engine | DataParallelEngine, Tokenizer]:
     """The engine and tokenizer behind `LLM` and the server, from vLLM-named settings. `compilation_cache` may
-    be a directory for jax's persistent compilation cache."""
+    be a directory for jax's persistent compilation cache. `overlap_scheduling` dispatches each step before the
+    previous one's tokens are read on the host (same outputs; turn it off to debug the plain loop)."""
     if compilation_cache:
         # A second start then restores the compiled steps instead of compiling them again.
         enable_compilation_cache(compilation_cache if isinstance(compilation_cache, str) else None)
@@ -81,8 +83,8 @@ def build_engine(
     )
     eos = tokenizer.eos_token_ids
     if data_parallel_size > 1:
-        return DataParallelEngine(cfg, loaded.params, mesh, cache, eos, attn_impl, seed), tokenizer
-    engine = Engine(cfg, loaded.params, cache, eos, attn_impl, seed, mesh)
+        return DataParallelEngine(cfg, loaded.params, mesh, cache, eos, attn_impl, seed, overlap_scheduling), tokenizer
+    engine = Engine(cfg, loaded.params, cache, eos, attn_impl, seed, mesh, overlap_scheduling)
     if jax.process_count() > 1:
         from jaxinfer.distributed import attach_followers
 
@@ -94,7 +96,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
         """`settings` are `build_engine`'s: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
         num_kv_tokens, gpu_memory_utilization, enable_prefix_caching, max_logprobs, seed, tensor_parallel_size,
-        data_parallel_size, attn_impl, compilation_cache."""
+        data_parallel_size, attn_impl, compilation_cache, overlap_scheduling."""
         self.model = model
         self.engine, self.tokenizer = build_engine(model, **settings)
         self.processor = OutputProcessor(self.tokenizer)

@@ -41,6 +41,7 @@ class DataParallelEngine:
         eos_token_ids: Sequence[int] = (),
         attn_impl: str | None = None,
         seed: int | None = None,
+        overlap: bool = True,
     ):
         """`params` must be placed on the first replica's mesh (`replica_meshes(mesh)[0]`)."""
         meshes = replica_meshes(mesh)
@@ -53,6 +54,7 @@ class DataParallelEngine:
                 attn_impl,
                 None if seed is None else seed + i,
                 m,
+                overlap,
             )  # fmt: skip
             for i, m in enumerate(meshes)
         ]
@@ -94,7 +96,7 @@ class DataParallelEngine:
         started = [e.start_step() for e in self.replicas]
         updates: list[SeqUpdate] = []
         for e, s in zip(self.replicas, started, strict=True):
-            updates += e.finish_step(s)
+            updates += e.finish_step(e.swap_in_flight(s))
         # Forget requests no replica holds any more (finished, stopped by a stop string, or aborted there).
         live = {rid for e in self.replicas for rid in e.groups}
         for rid in [r for r in self._owner if r not in live]:

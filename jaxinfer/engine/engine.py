@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from jaxinfer.cache.pages import PageAllocator
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.runner import CacheConfig, ModelRunner
+from jaxinfer.engine.runner import CacheConfig, ModelRunner, placeholder
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
@@ -32,7 +32,10 @@ class Engine:
         attn_impl: str | None = None,
         seed: int | None = None,
         mesh: Mesh | None = None,
+        overlap: bool = True,
     ):
+        """overlap: dispatch step N+1 before reading step N's tokens (they feed N+1 on the device), so the host's
+        work on N's results runs while the device computes. Outputs are the same either way; off helps debugging."""
         cache = cache or CacheConfig()
         if cache.max_model_len > cfg.max_position_embeddings:
             cache = CacheConfig(**{**cache.__dict__, "max_model_len": cfg.max_position_embeddings})
@@ -47,6 +50,8 @@ class Engine:
         self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids (n of them)
         self._ids = itertools.count()
         self._rng = random.Random(seed)
+        self.overlap = overlap
+        self._in_flight: tuple | None = None  # with overlap: the dispatched step whose tokens are not read yet
         # Counters for metrics and tests.
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
@@ -111,16 +116,24 @@ class Engine:
         for sid in self.groups.pop(request_id, []):
             req = self.seqs.pop(sid, None)
             if req is not None and req.status is not Status.FINISHED:
-                self.scheduler.finish(req, "abort")
+                self._end(req, "abort")
 
     def finish_sequence(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> None:
         """Ends one sequence early (a stop string found by the detokenizer)."""
         req = self.seqs.pop(seq_id, None)
         if req is not None and req.status is not Status.FINISHED:
-            self.scheduler.finish(req, reason)
+            self._end(req, reason)
             req.stop_reason = stop_reason
             req.finish_time = time.monotonic()
         self._forget_group(req)
+
+    def _end(self, req: Request, reason: str) -> None:
+        """Ends a sequence: its pages go back to the pool now. A step in flight may still compute it (overlap);
+        the device runs steps in order, so whatever reuses the pages runs after that step's writes, and the
+        step's token for it is dropped when collected."""
+        self.scheduler.finish(req, reason)
+        while req.output_token_ids and req.output_token_ids[-1] < 0:  # placeholders of tokens in flight
+            req.output_token_ids.pop()
 
     def _forget_group(self, req: Request | None) -> None:
         if req is None:
@@ -130,7 +143,7 @@ class Engine:
             self.groups.pop(rid, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ------------------------------------------------------------------------------------------ the step
 
@@ -148,28 +161,40 @@ class Engine:
             logprobs=p.logprobs is not None,
         )  # fmt: skip
 
-    def _stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
+    def _stop(self, req: Request, token: int, count: int) -> tuple[str | None, int | None]:
+        """Why the sequence ends after `token`, its `count`-th output token (None: it goes on)."""
         # Before min_tokens the stop ids carry a -inf bias, so they cannot be sampled here.
         p = req.params
         if token in p.stop_token_ids:
             return "stop", token
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cc.max_model_len:
+        if count >= p.max_tokens or len(req.prompt_token_ids) + count >= self.cc.max_model_len:
             return "length", None
         return None, None
 
     def step(self) -> list[SeqUpdate]:
-        return self.finish_step(self.start_step())
+        """Runs one step and returns the sequences' new tokens. With overlap, it dispatches the next step first
+        and returns the previous step's tokens: the caller's work on them overlaps the device's."""
+        return self.finish_step(self.swap_in_flight(self.start_step()))
+
+    def swap_in_flight(self, started: tuple | None) -> tuple | None:
+        """The step to collect now: `started` itself, or with overlap the one dispatched before it."""
+        if not self.overlap:
+            return started
+        previous, self._in_flight = self._in_flight, started
+        return previous
 
     def start_step(self) -> tuple | None:
         """Schedules and dispatches one step without waiting for the device (data-parallel replicas start all
-        their steps before collecting any)."""
+        their steps before collecting any). Each sampling sequence gets a placeholder for its token, which the
+        device fills in for any step that uses it before the host knows it."""
+        host_start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return None
         now = time.monotonic()
-        chunks = []
+        chunks, rows = [], []
         want_prompt_lp = False
         for s in batch:
             r = s.req
@@ -181,8 +206,16 @@ class Engine:
                 targets = [r.prompt_token_ids[p + 1] if p + 1 < n_prompt else -1 for p in range(start, stop)]
                 want_prompt_lp = True
             chunks.append(SeqChunk(r.tokens(start, stop), start, r.pages, targets))
-        rows = [self._row(s.req) for s in batch]
-        return batch, chunks, self.runner.dispatch(chunks, rows, want_prompt_lp)
+            rows.append(self._row(r))
+            self.num_prefilled_tokens += max(0, min(stop, n_prompt) - start)
+        pending = self.runner.dispatch(chunks, rows, want_prompt_lp, host_start)  # packs the inputs before returning
+        for i, s in enumerate(batch):
+            r = s.req
+            r.num_computed += s.num_new  # the next step may be scheduled before this one's results are read
+            if s.samples:
+                s.out_index = len(r.output_token_ids)
+                r.output_token_ids.append(placeholder(i))
+        return batch, chunks, pending
 
     def finish_step(self, started: tuple | None) -> list[SeqUpdate]:
         """Collects a dispatched step's tokens and updates every sequence it ran."""
@@ -197,16 +230,14 @@ class Engine:
         updates = []
         for i, s in enumerate(batch):
             req = s.req
-            samples = s.samples
-            self.num_prefilled_tokens += max(
-                0, min(req.num_computed + s.num_new, len(req.prompt_token_ids)) - req.num_computed
-            )
-            req.num_computed += s.num_new
-            self.scheduler.commit(req)
-            if not samples:
+            if req.status is Status.FINISHED:  # ended (stop string, abort, eos) while this step was in flight
                 continue
             tok = int(out.token_ids[i])
-            req.output_token_ids.append(tok)
+            if s.samples:
+                req.output_token_ids[s.out_index] = tok
+            self.scheduler.commit(req)
+            if not s.samples:
+                continue
             self.num_generated_tokens += 1
             lp: list[dict[int, float]] = []
             if req.params.logprobs is not None:
@@ -218,14 +249,14 @@ class Engine:
                 req.output_logprobs.append(entry)
                 lp = [entry]
             req.first_token_time = req.first_token_time or now
-            reason, stop_reason = self._stop(req, tok)
+            reason, stop_reason = self._stop(req, tok, s.out_index + 1)
             if reason:
-                self.scheduler.finish(req, reason)
+                self._end(req, reason)
                 req.stop_reason, req.finish_time = stop_reason, now
                 self.seqs.pop(req.request_id, None)
                 self._forget_group(req)
             update = SeqUpdate(req.request_id, [tok], lp, reason is not None, reason, stop_reason)
-            if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+            if req.params.prompt_logprobs is not None and s.out_index == 0:
                 update.prompt_logprobs = req.prompt_logprobs
             updates.append(update)
         return updates
@@ -240,7 +271,8 @@ class Engine:
                     req.prompt_logprobs = [None]  # the first prompt token has nothing before it
                 k = req.params.prompt_logprobs
                 for j, target in enumerate(c.target_ids):
-                    if target < 0:
+                    # Entry p + 1 scores prompt token p + 1; a preempted request recomputes entries it already has.
+                    if target < 0 or c.start + j + 1 < len(req.prompt_logprobs):
                         continue
                     entry = {int(target): float(lps[off + j])}
                     for t, v in zip(top_ids[off + j, :k], top_lps[off + j, :k], strict=True):

@@ -8,6 +8,7 @@ Both write the new K/V into the donated pools in place and sample on device.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.model.transformer import Params, forward, logits
 from jaxinfer.sampling import (
     RowSampling,
@@ -113,6 +115,7 @@ def paged_step(
     params: Params,
     cfg: ModelConfig,
     kv: KVPools,
+    feed: jax.Array,
     inp: StepInputs,
     st: SamplingTensors,
     decode_only: bool,
@@ -121,12 +124,19 @@ def paged_step(
     impl: str | None = None,
     mesh: Mesh | None = None,
     prompt_logprobs: bool = False,
-) -> tuple[SampleOutput, tuple | None, KVPools]:
+) -> tuple[SampleOutput, tuple | None, KVPools, jax.Array]:
     """One engine step: forward over the packed tokens, then one sampled token per sequence, on device.
+
+    `feed` i32[max_num_seqs] holds the previous step's sampled tokens. A token id `-(i + 2)` in the inputs (token
+    ids, and the penalty history) is a placeholder for row i's token of that step: with overlap scheduling the host
+    dispatches this step before it has read them. Returns the new feed (this step's tokens, padded).
     With prompt_logprobs, also (logprob of target, top ids, top logprobs) for every packed token: a separate
     program (compiled on first use) since it computes logits for all T tokens, not just S."""
+    token_ids = resolve_placeholders(inp.token_ids, feed)
+    if advanced:
+        st = dataclasses.replace(st, history=resolve_placeholders(st.history, feed))
     hidden, kv = forward(
-        params, cfg, inp.token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh)
+        params, cfg, token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh)
     )
     lg = logits(params, cfg, hidden[0][inp.logits_indices])  # f32[S, V]
     if mesh is not None:
@@ -136,7 +146,18 @@ def paged_step(
     if prompt_logprobs:
         lg_all = logits(params, cfg, hidden[0])  # f32[T, V]
         prompt_lp = compute_logprobs(lg_all, jnp.maximum(inp.target_ids, 0), num_logprobs or 0)
-    return sample(lg, st, advanced=advanced, num_logprobs=num_logprobs), prompt_lp, kv
+    out = sample(lg, st, advanced=advanced, num_logprobs=num_logprobs)
+    return out, prompt_lp, kv, feed.at[: out.token_ids.shape[0]].set(out.token_ids)
+
+
+def placeholder(row: int) -> int:
+    """The token id that stands for row `row`'s sampled token of the step in flight (see `paged_step`)."""
+    return -(row + 2)
+
+
+def resolve_placeholders(ids: jax.Array, feed: jax.Array) -> jax.Array:
+    """Replaces placeholders (ids <= -2) by the fed tokens; real ids and -1 padding pass through."""
+    return jnp.where(ids <= -2, feed[jnp.clip(-ids - 2, 0, feed.shape[0] - 1)], ids)
 
 
 # ---------------------------------------------------------------------------------------------- runner
@@ -202,6 +223,7 @@ class ModelRunner:
         self.cfg, self.cc, self.attn_impl, self.mesh = cfg, cache, attn_impl, mesh
         self.num_pages = size_pool(cfg, cache)
         self.followers = None  # a jaxinfer.distributed.Followers on the lead process of a multi-process mesh
+        self.timeline: StepTimeline | None = None  # set to record when each step ran (benchmarks, metrics)
         if jax.process_count() > 1:
             from jaxinfer.distributed import agree_on
 
@@ -219,6 +241,9 @@ class ModelRunner:
             pool = NamedSharding(mesh, spec(KV_POOL_AXES, mesh))
         zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype)), out_shardings=pool)
         self.kv: KVPools = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        # The last step's sampled tokens, kept on device for the next step's placeholders (overlap scheduling).
+        # Every process of a multi-process mesh runs the same steps, so each keeps the same feed.
+        self.feed = jax.device_put(np.zeros(cache.max_num_seqs, np.int32), self._replicated)
         self.seq_buckets = power_of_two_buckets(min(8, cache.max_num_seqs), cache.max_num_seqs)
         self.token_buckets = power_of_two_buckets(min(32, cache.max_num_batched_tokens), cache.max_num_batched_tokens)
         log.info(
@@ -239,14 +264,20 @@ class ModelRunner:
             return True, s, s
         return False, pick_bucket(num_tokens, self.token_buckets), self.cc.max_num_seqs
 
-    def dispatch(self, chunks: list, rows: list[RowSampling], prompt_logprobs: bool = False) -> tuple:
+    def dispatch(
+        self, chunks: list, rows: list[RowSampling], prompt_logprobs: bool = False, host_start: float | None = None
+    ) -> tuple:
         """Starts one step over SeqChunks with one RowSampling each; returns without waiting for the device
-        (a pending handle for `collect`)."""
-        decode_only, t, s = self.bucket_for(len(chunks), sum(len(c.token_ids) for c in chunks))
+        (a pending handle for `collect`). `host_start`: when the caller began preparing the step (timeline)."""
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        decode_only, t, s = self.bucket_for(len(chunks), num_tokens)
         inp = pack(chunks, t, s, self.cc.pages_per_seq, self.cc.page_size)
         advanced = needs_advanced(rows)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
         out, prompt_lp = self.launch(inp, st, decode_only, advanced, prompt_logprobs)
+        if self.timeline is not None:
+            kind = "decode" if decode_only else "mixed"
+            self.timeline.dispatched(host_start or time.perf_counter(), kind, len(chunks), num_tokens, out.token_ids)
         return out, prompt_lp, len(chunks), t
 
     def launch(self, inp: StepInputs, st: SamplingTensors, decode_only: bool, advanced: bool, prompt_lp: bool):
@@ -255,7 +286,7 @@ class ModelRunner:
         if self.followers is not None:
             inp, st = self.followers.send_step(inp, st, decode_only, advanced, prompt_lp)
         inp, st = jax.device_put((inp, st), self._replicated)
-        out, prompt_out, self.kv = self._step(inp, st, decode_only, advanced, prompt_lp)
+        out, prompt_out, self.kv, self.feed = self._step(inp, st, decode_only, advanced, prompt_lp)
         return out, prompt_out
 
     @staticmethod
@@ -273,8 +304,8 @@ class ModelRunner:
 
     def _step(self, inp: StepInputs, st: SamplingTensors, decode_only: bool, advanced: bool, prompt_lp: bool = False):
         return paged_step(
-            self.params, self.cfg, self.kv, inp, st, decode_only, advanced, self.cc.max_logprobs, self.attn_impl,
-            self.mesh, prompt_lp,
+            self.params, self.cfg, self.kv, self.feed, inp, st, decode_only, advanced, self.cc.max_logprobs,
+            self.attn_impl, self.mesh, prompt_lp,
         )  # fmt: skip
 
     def warmup(self, advanced: bool = True) -> float:

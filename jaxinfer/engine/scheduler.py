@@ -18,12 +18,14 @@ from jaxinfer.types import Request, Status
 @dataclass
 class ScheduledSeq:
     req: Request
-    num_new: int  # tokens computed this step, starting at req.num_computed
+    num_new: int  # tokens computed this step, starting at req.num_computed when scheduled
+    # Whether this step completes the known tokens, so its sampled token is the next output (fixed when
+    # scheduled: the engine advances num_computed as soon as it dispatches the step).
+    samples: bool = False
+    out_index: int = -1  # where its sampled token goes in req.output_token_ids (set by the engine)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step completes the known tokens, so its sampled token is the next output."""
-        return self.req.num_computed + self.num_new == self.req.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.req.num_computed + self.num_new == self.req.num_tokens
 
 
 class Scheduler:
@@ -70,12 +72,22 @@ class Scheduler:
         ps = self.alloc.page_size
         for j in range(len(req.block_hashes), req.num_computed // ps):
             parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.append(self.alloc.register(req.pages[j], parent, req.tokens(j * ps, (j + 1) * ps)))
+            block = req.tokens(j * ps, (j + 1) * ps)
+            if min(block) < 0:  # a token still in flight (overlap): register this page after it is known
+                return
+            req.block_hashes.append(self.alloc.register(req.pages[j], parent, block))
+
+    def reached_length(self, req: Request) -> bool:
+        """Whether the request has all its tokens (counting any still in flight): it ends with "length"."""
+        return len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len
 
     def _sibling_prefilling(self, req: Request) -> bool:
-        """An n > 1 sibling still computing the shared prompt: wait for it and then reuse its pages."""
+        """An n > 1 sibling still computing the shared prompt: wait for it and then reuse its pages. Its pages are
+        reusable once registered, after its step ran (with overlap scheduling that is a step after dispatch)."""
+        shareable = (len(req.prompt_token_ids) - 1) // self.alloc.page_size
         return req.group is not None and any(
-            r.group == req.group and r.num_computed < len(r.prompt_token_ids) for r in self.running
+            r.group == req.group and (r.num_computed < len(r.prompt_token_ids) or len(r.block_hashes) < shareable)
+            for r in self.running
         )
 
     def finish(self, req: Request, reason: str) -> None:
@@ -119,6 +131,8 @@ class Scheduler:
             if budget == 0 or len(out) == self.max_num_seqs:
                 break
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            if self.reached_length(req):  # its last token is still in flight (overlap) and then it ends
                 continue
             n = self._chunk(req, budget, contended)
             while not self._reserve(req, req.num_computed + n):

@@ -24,7 +24,7 @@ def test_allocate_free_and_share():
 
 
 def _req(i: int, n: int) -> Request:
-    return Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=4), seed=0, arrival_time=float(i))
+    return Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=32), seed=0, arrival_time=float(i))
 
 
 @pytest.mark.parametrize("budget", [4, 8, 64])
