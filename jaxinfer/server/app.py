@@ -15,7 +15,6 @@ from jaxinfer.server.chat import create_chat_completion
 from jaxinfer.server.completions import create_completion
 from jaxinfer.server.context import ServingContext
 from jaxinfer.server.errors import APIError, install_handlers
-from jaxinfer.server.loader import build_engine
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.state import Loader, ServerState
 from jaxinfer.server.tokenize import detokenize, tokenize
@@ -94,9 +93,10 @@ def _api_routes() -> APIRouter:
 
 
 def build_app(args: ServerArgs, loader: Loader | None = None) -> FastAPI:
-    """The app. The model loads (`loader`; default: the real engine) on a background thread once the server
-    starts: under `jaxinfer.server.http.serve` once it listens, under any other ASGI server at lifespan start-up."""
-    state = ServerState(args, loader or build_engine)
+    """The app. The model loads (`loader`, in this process; default: the real engine, in its own process unless
+    --no-engine-process) on a background thread once the server starts: under `jaxinfer.server.http.serve` once
+    it listens, under any other ASGI server at lifespan start-up."""
+    state = ServerState(args, loader)
     ctx = ServingContext(args, state, Metrics(state))
 
     @asynccontextmanager

@@ -40,6 +40,9 @@ class ServerArgs:
     compilation_cache_dir: str | None = None
     enable_compilation_cache: bool = True
     max_body_bytes: int = 4 * 2**20
+    engine_process: bool = True  # the engine core in its own process (ignored with an injected loader)
+    overlap_scheduling: bool = True  # dispatch each step before reading the previous one's tokens
+    step_timeline: bool = False  # time every step (device busy / idle, host) for /metrics
 
     @property
     def model_names(self) -> list[str]:
@@ -108,6 +111,26 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-processes", type=_positive_int, default=1, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None,
                    help="multi-host: this process's rank (0 serves HTTP); found by jax on TPU pods, SLURM")  # fmt: skip
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core (scheduler, device steps) in its own process, away from HTTP and detokenization;"
+        " --no-engine-process runs it on a thread of the server process (multi-host always does)",
+    )
+    p.add_argument(
+        "--overlap-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="dispatch each step before the previous step's tokens reach the host, so scheduling, detokenization and"
+        " streaming overlap the device (same outputs; --no-overlap-scheduling runs the plain loop, for debugging)",
+    )
+    p.add_argument(
+        "--step-timeline",
+        action="store_true",
+        help="timestamp every step (a watcher thread waits on each step's outputs) and report the device's busy"
+        " and idle time per step on /metrics (jaxinfer:device_idle_share, jaxinfer:step_*_ms)",
+    )
     p.add_argument(
         "--graceful-shutdown-timeout",
         type=float,

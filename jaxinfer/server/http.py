@@ -5,6 +5,10 @@
 2. wait up to --graceful-shutdown-timeout for in-flight requests to finish;
 3. let uvicorn close the connections (requests still running are cancelled, which aborts them in the engine);
 4. the app's lifespan shuts the AsyncEngine down; the process exits 0.
+
+When the engine process dies, streams in flight end with an error at once, /health and new requests answer 503
+for a moment (`_DEAD_ENGINE_LINGER_S`, so probes and clients see why), then the server stops and exits 1 for its
+supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ log = logging.getLogger(__name__)
 
 # Once draining ends, how long uvicorn waits for responses before cancelling them.
 _CANCEL_AFTER_S = 2.0
+# After the engine process died: how long the server keeps answering 503 before it exits.
+_DEAD_ENGINE_LINGER_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -36,7 +42,10 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self._drain_deadline: float | None = None
         self.load_failed = False
+        self.engine_died = False
+        self._dead_deadline: float | None = None
         state.on_fatal = self._on_load_failure
+        state.on_engine_dead = self._on_engine_death
         state.load_on_lifespan = False  # loaded from startup() instead, once the sockets listen
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -47,6 +56,9 @@ class DrainingServer(uvicorn.Server):
     def _on_load_failure(self) -> None:  # from the loader thread: only flags, the event loop polls them
         self.load_failed = True
         self.should_exit = True
+
+    def _on_engine_death(self) -> None:  # from the engine's reader thread: only flags, the event loop polls them
+        self.engine_died = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's: it records the signal and raises it again after shutdown, so the process would die by
@@ -61,6 +73,12 @@ class DrainingServer(uvicorn.Server):
         self._drain_deadline = time.monotonic() + self.drain_timeout
 
     async def on_tick(self, counter: int) -> bool:
+        if self.engine_died and not self.should_exit:
+            if self._dead_deadline is None:
+                log.error("the engine process died: exiting in %.0fs", _DEAD_ENGINE_LINGER_S)
+                self._dead_deadline = time.monotonic() + _DEAD_ENGINE_LINGER_S
+            elif time.monotonic() >= self._dead_deadline:
+                self.should_exit = True
         if self._drain_deadline is not None and not self.should_exit:
             if self.state.in_flight == 0:
                 log.info("drained: no request in flight")
@@ -85,6 +103,9 @@ def serve(app: FastAPI, args: ServerArgs) -> int:
     server.run()
     if server.load_failed or state.phase is Phase.FAILED:
         log.error("exiting: %s", state.error)
+        return 1
+    if server.engine_died:
+        log.error("exiting: %s", state.engine.error if state.engine is not None else "the engine died")
         return 1
     if state.loading:
         # Stopped while the model loads: the loader thread may be inside XLA, and interpreter finalization under

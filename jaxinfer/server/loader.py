@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+TIMELINE_WINDOW = 512  # steps the /metrics timeline gauges summarise
+
 
 def build_engine(args: ServerArgs) -> tuple[Engine, Tokenizer]:
     from jaxinfer.llm import build_engine as build
@@ -30,6 +32,12 @@ def build_engine(args: ServerArgs) -> tuple[Engine, Tokenizer]:
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         compilation_cache=(args.compilation_cache_dir or True) if args.enable_compilation_cache else False,
+        overlap_scheduling=args.overlap_scheduling,
     )  # fmt: skip
     log.info("model %s loaded in %.1fs", args.model, time.perf_counter() - t0)
+    if args.step_timeline:
+        from jaxinfer.engine.timeline import StepTimeline
+
+        for e in getattr(engine, "replicas", [engine]):
+            e.runner.timeline = StepTimeline(max_steps=TIMELINE_WINDOW)
     return engine, tokenizer

@@ -1,7 +1,8 @@
 """Prometheus metrics (`GET /metrics`), named like vLLM's under a `jaxinfer:` prefix.
 
-Gauges of engine state are read at scrape time from plain ints and floats that the engine thread updates
-(list lengths, allocator counters): reading them from the HTTP thread is safe, mutating them would not be.
+Gauges of engine state are read at scrape time: from the engine process's latest stats message, or (engine on a
+thread of this process) from plain ints and floats that the engine thread updates (list lengths, allocator
+counters): reading them from the HTTP thread is safe, mutating them would not be.
 Counters and histograms are updated by the request handlers on the event loop.
 """
 
@@ -26,13 +27,22 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self.state
-        engine = s.engine.engine if s.engine is not None else None
         running = waiting = used = total = 0
         hit_rate = 0.0
-        if engine is not None:
+        timeline: dict = {}
+        if s.engine is not None and hasattr(s.engine, "stats"):  # MPAsyncEngine: what the core last reported
+            st = s.engine.stats()
+            running, waiting, used, total, hit_rate = st.running, st.waiting, st.pages_used, st.pages_total, st.hit_rate
+            if st.idle_share is not None:
+                timeline = {"idle_share": st.idle_share, "device_ms": st.device_ms, "host_ms": st.host_ms}
+        elif s.engine is not None:  # AsyncEngine: the Engine itself
+            from jaxinfer.engine.core_process import timeline_stats
+
+            engine = s.engine.engine
             running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
             used, total = engine.allocator.num_used, engine.allocator.num_pages
             hit_rate = engine.allocator.hit_rate
+            timeline = timeline_stats(engine)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"jaxinfer:{name}", doc, value=value)
@@ -48,6 +58,11 @@ class _EngineCollector(Collector):
         yield gauge("kv_cache_total_pages", "KV cache pages in the pool", total)
         yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
                     hit_rate)  # fmt: skip
+        if timeline:  # --step-timeline
+            yield gauge("device_idle_share", "Device idle between steps / (idle + busy), recent steps",
+                        timeline["idle_share"])  # fmt: skip
+            yield gauge("step_device_ms", "Device busy time per step, recent steps (ms)", timeline["device_ms"])
+            yield gauge("step_host_ms", "Host time preparing a step, recent steps (ms)", timeline["host_ms"])
 
 
 class Metrics:

@@ -2,6 +2,10 @@
 
 The model loads on a background thread so that the HTTP side answers (503) while it starts. Everything here is
 touched from the event loop thread only, except `_load`, which publishes the engine and then flips the phase.
+
+The engine runs in its own process (`MPAsyncEngine`, --engine-process, the default) or on a thread of this one
+(`AsyncEngine`): always the latter with an injected loader (tests) or several hosts (the lead's runner talks to
+the followers from this process).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import APIError
+from jaxinfer.server.loader import build_engine
 
 if TYPE_CHECKING:
     from jaxinfer.engine.async_engine import AsyncEngine
+    from jaxinfer.engine.mp_engine import MPAsyncEngine
     from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -33,12 +39,17 @@ class Phase(enum.Enum):
 
 
 class ServerState:
-    def __init__(self, args: ServerArgs, loader: Loader):
+    def __init__(self, args: ServerArgs, loader: Loader | None = None):
+        """`loader` builds an in-process engine; None: the real one, in a process of its own unless
+        --no-engine-process (or several hosts) says otherwise."""
         self.args = args
-        self._loader = loader
+        self.engine_process = (
+            loader is None and args.engine_process and args.num_processes == 1 and args.coordinator_address is None
+        )
+        self._loader = loader or build_engine
         self.phase = Phase.STARTING
         self.error: str | None = None
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | MPAsyncEngine | None = None
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0
         self.kv_tokens = 0
@@ -46,9 +57,13 @@ class ServerState:
         self.in_flight = 0  # engine requests admitted and not finished
         self.waiting = 0  # of those, the ones without a first token yet (the --max-waiting bound)
         self.on_fatal: Callable[[], None] | None = None  # set by the runner: stop serving when loading fails
+        # Set by the runner: the engine process died after start-up (called from a reader thread; flags only).
+        self.on_engine_dead: Callable[[], None] | None = None
         # Whether the app's lifespan starts the loading; DrainingServer clears it and starts it once listening.
         self.load_on_lifespan = True
         self._thread: threading.Thread | None = None
+        self._starting: MPAsyncEngine | None = None  # the engine process while it loads, so shutdown can stop it
+        self._start_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------ lifetime
 
@@ -63,37 +78,71 @@ class ServerState:
         return self._thread is not None and self._thread.is_alive()
 
     def _load(self) -> None:
-        from jaxinfer.engine.async_engine import AsyncEngine
-
         try:
             t0 = time.perf_counter()
-            engine, tokenizer = self._loader(self.args)
-            # Compile every step shape now, so that no request waits for a compilation.
-            warm = engine.runner.warmup()
-            log.info("compiled steps warmed up in %.1fs", warm)
-            self.tokenizer = tokenizer
-            self.max_model_len = engine.cc.max_model_len
-            self.kv_tokens = engine.runner.num_kv_tokens
-            self.max_logprobs = engine.cc.max_logprobs
-            self.engine = AsyncEngine(engine, tokenizer, self.args.max_waiting)
+            if self.engine_process:
+                self._start_engine_process()
+            else:
+                self._load_in_process()
+            if self.engine is None:  # stopped while loading
+                return
             if self.phase is Phase.STARTING:  # a SIGTERM during loading keeps the server stopping
                 self.phase = Phase.READY
             log.info("ready in %.1fs: serving %s", time.perf_counter() - t0, ", ".join(self.args.model_names))
         except BaseException as e:
-            log.exception("loading the model failed")
-            self.error = f"loading the model failed: {type(e).__name__}: {e}"
+            if self.phase is Phase.STOPPING:  # the engine process was stopped under the loading: not a failure
+                log.info("loading stopped: the server is shutting down")
+                return
+            name = getattr(e, "remote_type", None)  # failed in the engine process, which logged the traceback
+            if name is None:
+                log.exception("loading the model failed")
+                name = type(e).__name__
+            self.error = f"loading the model failed: {name}: {e}"
             self.phase = Phase.FAILED
             if self.on_fatal is not None:
                 self.on_fatal()
+
+    def _load_in_process(self) -> None:
+        from jaxinfer.engine.async_engine import AsyncEngine
+
+        engine, tokenizer = self._loader(self.args)
+        # Compile every step shape now, so that no request waits for a compilation.
+        warm = engine.runner.warmup()
+        log.info("compiled steps warmed up in %.1fs", warm)
+        self.tokenizer = tokenizer
+        self.max_model_len = engine.cc.max_model_len
+        self.kv_tokens = engine.runner.num_kv_tokens
+        self.max_logprobs = engine.cc.max_logprobs
+        self.engine = AsyncEngine(engine, tokenizer, self.args.max_waiting)
+
+    def _start_engine_process(self) -> None:
+        from jaxinfer.engine.mp_engine import MPAsyncEngine
+
+        with self._start_lock:
+            if self.phase is not Phase.STARTING:
+                return
+            engine = self._starting = MPAsyncEngine(self.args, on_death=self._engine_died)
+        engine.wait_ready()  # the core process loads the model and compiles its steps
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.kv_tokens = engine.kv_tokens
+        self.max_logprobs = engine.max_logprobs
+        self.engine = engine
+
+    def _engine_died(self) -> None:
+        if self.on_engine_dead is not None:
+            self.on_engine_dead()
 
     def begin_stopping(self) -> None:
         if self.phase is not Phase.FAILED:
             self.phase = Phase.STOPPING
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self.begin_stopping()
-        if self.engine is not None:
-            self.engine.shutdown(timeout)
+        with self._start_lock:
+            self.begin_stopping()
+            engine = self.engine or self._starting
+        if engine is not None:
+            engine.shutdown(timeout)
             log.info("engine shut down")
 
     # ------------------------------------------------------------------------------------------ requests

@@ -1,0 +1,257 @@
+"""The engine core in a process of its own: the device loop never shares a GIL with HTTP, JSON or detokenization.
+
+`MPAsyncEngine` (jaxinfer.engine.mp_engine) starts `run_core` with multiprocessing's *spawn* context (jax is not
+fork-safe) and binds two ipc:// sockets in a temporary directory; the core connects to both:
+
+    API --PUSH--> commands --PULL--> core      ["add", rid, prompt_ids, params] | ["abort", rid] |
+                                               ["finish", seq_id, reason, stop_reason] | ["shutdown"]
+    API <--PULL-- results  <--PUSH-- core      {"t": "ready", ...facts} | {"t": "failed", "type", "error"} |
+                                               {"t": "out", "u": [update, ...], "s": stats} |
+                                               {"t": "err", "rid", "error"} | {"t": "dead", "type", "error"}
+
+Every message is one msgpack frame. An update is [seq_id, new_token_ids, new_logprobs, finished, finish_reason,
+stop_reason, prompt_logprobs] (a `SeqUpdate`); stats are the gauges and counters /metrics shows. "ready" also
+carries what the API side needs without the model: the limits `Engine.validate` checks and the tokenizer (pickled
+bytes inside that one frame; everything else is plain data).
+
+The core never waits on the API side: its results socket has no high-water mark, so a send only queues, and it
+reads commands without blocking while it has work (blocking only when idle). It ignores SIGINT/SIGTERM (the API
+server drains first, then sends "shutdown") and exits by itself when its parent process goes away.
+
+Spawn re-imports the parent's main module in the child: a script that starts the server must keep that under
+`if __name__ == "__main__":` (serve.py does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+
+from jaxinfer.types import SamplingParams, SeqUpdate
+
+log = logging.getLogger(__name__)
+
+# How often the core checks that the API server (its parent) is still there.
+PARENT_POLL_S = 0.5
+# How long a closing socket may keep trying to deliver its last messages (the failure that ends the core).
+LINGER_MS = 2000
+
+
+# ---------------------------------------------------------------------------------------------- wire format
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    # Logprob dicts are keyed by token id: int map keys must be allowed.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def params_to_wire(params: SamplingParams) -> dict:
+    return dataclasses.asdict(params)
+
+
+def params_from_wire(d: dict) -> SamplingParams:
+    return SamplingParams(**d)  # lists become tuples again in __post_init__
+
+
+def update_to_wire(u: SeqUpdate) -> list:
+    return [u.request_id, u.new_token_ids, u.new_logprobs, u.finished, u.finish_reason, u.stop_reason,
+            u.prompt_logprobs]  # fmt: skip
+
+
+def update_from_wire(w: list) -> SeqUpdate:
+    rid, toks, lps, finished, reason, stop_reason, prompt_lps = w
+    return SeqUpdate(rid, toks, lps or [], finished, reason, stop_reason, prompt_lps)
+
+
+def engine_stats(engine: Any) -> dict:
+    """The gauges and counters /metrics shows (DataParallelEngine sums its replicas the same way)."""
+    return {
+        "running": len(engine.scheduler.running),
+        "waiting": len(engine.scheduler.waiting),
+        "pages_used": engine.allocator.num_used,
+        "pages_total": engine.allocator.num_pages,
+        "hit_rate": engine.allocator.hit_rate,
+        "prefilled_tokens": engine.num_prefilled_tokens,
+        "generated_tokens": engine.num_generated_tokens,
+        "steps": engine.num_steps,
+        **timeline_stats(engine),
+    }
+
+
+def timeline_stats(engine: Any) -> dict:
+    """Device busy/idle and host time per step over the recent steps, when a StepTimeline records them."""
+    timeline = getattr(getattr(getattr(engine, "replicas", [engine])[0], "runner", None), "timeline", None)
+    if timeline is None:
+        return {}
+    s = timeline.live_summary()  # never waits for the step in flight
+    if not s.get("steps"):
+        return {}
+    return {"idle_share": s["idle_share"], "device_ms": s["device_ms"], "host_ms": s["host_ms"]}
+
+
+def engine_facts(engine: Any, tokenizer: Any) -> dict:
+    """What the API side needs from the engine: `Engine.validate`'s inputs, the limits the handlers check."""
+    first = getattr(engine, "replicas", [engine])[0]  # DataParallelEngine validates with its first replica
+    return {
+        "config": first.cfg.to_dict(),
+        "cache": dataclasses.asdict(first.cc),
+        "num_pages": first.allocator.num_pages,
+        "page_size": first.allocator.page_size,
+        "num_kv_tokens": first.runner.num_kv_tokens,
+        "eos_token_ids": list(first.eos_token_ids),
+        "max_model_len": engine.cc.max_model_len,
+        "max_logprobs": engine.cc.max_logprobs,
+        "tokenizer": pickle.dumps(tokenizer),
+        "stats": engine_stats(engine),
+        "pid": os.getpid(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- the process
+
+
+def _watch_parent(parent_pid: int, socket_dir: str) -> None:
+    """Exits the process once the API server is gone (killed, crashed): a core must never outlive it."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent_pid:
+                log.warning("the API server (pid %d) is gone: engine core exiting", parent_pid)
+                shutil.rmtree(socket_dir, ignore_errors=True)  # the server had no chance to
+                os._exit(1)
+
+    threading.Thread(target=watch, name="jaxinfer-parent-watch", daemon=True).start()
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)  # fmt: skip
+    if level != "debug":
+        logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every restore step at info
+
+
+def run_core(args: dict, commands_addr: str, results_addr: str, parent_pid: int, build: Callable | None = None) -> None:
+    """The spawned process's entry point. `args` are the server's `ServerArgs` fields; `build(args)` -> (engine,
+    tokenizer), warmed up (default: the server's loader, then every step shape compiled); tests pass their own."""
+    # Ctrl-C reaches the whole process group and a supervisor may signal it too: the API server decides when the
+    # core stops (after draining), or the core notices that the server is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _configure_logging(args.get("log_level", "info"))
+    _watch_parent(parent_pid, os.path.dirname(commands_addr.removeprefix("ipc://")))
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.setsockopt(zmq.RCVHWM, 0)
+    commands.connect(commands_addr)
+    results = ctx.socket(zmq.PUSH)
+    results.setsockopt(zmq.SNDHWM, 0)  # never block the device loop on a slow reader: queue instead
+    results.setsockopt(zmq.LINGER, LINGER_MS)
+    results.connect(results_addr)
+    code = 0
+    try:
+        try:
+            engine, tokenizer = (build or _build)(args)
+            facts = engine_facts(engine, tokenizer)
+        except BaseException as e:
+            log.exception("loading the model failed")
+            results.send(pack({"t": "failed", "type": type(e).__name__, "error": str(e)}))
+            code = 1
+            return
+        results.send(pack({"t": "ready", **facts}))
+        try:
+            EngineCore(engine, commands, results).run()
+        except BaseException as e:
+            log.exception("engine core died")
+            results.send(pack({"t": "dead", "type": type(e).__name__, "error": str(e)}))
+            code = 1
+    finally:
+        commands.close(linger=0)
+        results.close()  # delivers what is queued, for up to LINGER_MS
+        ctx.term()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Not a plain return: interpreter teardown under live XLA threads can abort; nothing is left to clean.
+        os._exit(code)
+
+
+def _build(args: dict) -> tuple[Any, Any]:
+    from jaxinfer.server.args import ServerArgs
+    from jaxinfer.server.loader import build_engine
+
+    engine, tokenizer = build_engine(ServerArgs(**args))
+    # Compile every step shape now, so that no request waits for a compilation.
+    warm = sum(e.runner.warmup() for e in getattr(engine, "replicas", [engine]))
+    log.info("compiled steps warmed up in %.1fs", warm)
+    return engine, tokenizer
+
+
+class EngineCore:
+    """The loop: apply every queued command, run one step, send its updates. Blocks only when idle."""
+
+    def __init__(self, engine: Any, commands: zmq.Socket, results: zmq.Socket):
+        self.engine = engine
+        self.commands = commands
+        self.results = results
+        self.running = True
+
+    def run(self) -> None:
+        engine = self.engine
+        while self.running:
+            if not engine.has_unfinished() and not self.commands.poll(1000):
+                continue  # idle: wait for a command
+            changed = self._drain_commands()
+            if not self.running:
+                return
+            if engine.has_unfinished():
+                updates = engine.step()
+                self.results.send(pack({"t": "out", "u": [update_to_wire(u) for u in updates],
+                                        "s": engine_stats(engine)}))  # fmt: skip
+            elif changed:  # pages came back (aborts) without a step: /metrics must see it
+                self.results.send(pack({"t": "out", "u": [], "s": engine_stats(engine)}))
+
+    def _drain_commands(self) -> bool:
+        """Applies every command already queued, without waiting; returns whether there was any."""
+        n = 0
+        while True:
+            try:
+                raw = self.commands.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return n > 0
+            n += 1
+            cmd = unpack(raw)
+            op = cmd[0]
+            if op == "add":
+                _, rid, ids, params = cmd
+                try:
+                    self.engine.add_request(ids, params_from_wire(params), rid)
+                except Exception as e:  # validated by the API side already; a race must not kill the loop
+                    self.results.send(pack({"t": "err", "rid": rid, "error": str(e)}))
+            elif op == "abort":
+                self.engine.abort(cmd[1])
+            elif op == "finish":
+                _, sid, reason, stop_reason = cmd
+                self.engine.finish_sequence(sid, reason, stop_reason)
+            elif op == "shutdown":
+                log.info("engine core: shutting down")
+                self.running = False
+                return True
+            else:
+                log.warning("engine core: unknown command %r", op)
