@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import kernels_pallas
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.timeline import StepTimeline
+from jaxinfer.engine.transfer import Layout, from_flat, to_flat
 from jaxinfer.model.transformer import Params, forward, logits
 from jaxinfer.sampling import (
     RowSampling,
@@ -108,7 +109,7 @@ def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: st
 
 @partial(
     jax.jit,
-    static_argnames=("cfg", "decode_only", "advanced", "num_logprobs", "impl", "mesh", "prompt_logprobs"),
+    static_argnames=("cfg", "layout", "decode_only", "advanced", "num_logprobs", "impl", "mesh", "prompt_logprobs"),
     donate_argnames=("kv",),
 )
 def paged_step(
@@ -116,8 +117,8 @@ def paged_step(
     cfg: ModelConfig,
     kv: KVPools,
     feed: jax.Array,
-    inp: StepInputs,
-    st: SamplingTensors,
+    flat: tuple[jax.Array, jax.Array],
+    layout: Layout,
     decode_only: bool,
     advanced: bool,
     num_logprobs: int | None,
@@ -131,7 +132,9 @@ def paged_step(
     ids, and the penalty history) is a placeholder for row i's token of that step: with overlap scheduling the host
     dispatches this step before it has read them. Returns the new feed (this step's tokens, padded).
     With prompt_logprobs, also (logprob of target, top ids, top logprobs) for every packed token: a separate
-    program (compiled on first use) since it computes logits for all T tokens, not just S."""
+    program (compiled on first use) since it computes logits for all T tokens, not just S.
+    The StepInputs and SamplingTensors arrive as `flat` buffers (see jaxinfer.engine.transfer)."""
+    inp, st = from_flat(flat, layout)
     token_ids = resolve_placeholders(inp.token_ids, feed)
     if advanced:
         st = dataclasses.replace(st, history=resolve_placeholders(st.history, feed))
@@ -285,8 +288,9 @@ class ModelRunner:
         inputs to every follower first, so all processes run the same step on the global mesh."""
         if self.followers is not None:
             inp, st = self.followers.send_step(inp, st, decode_only, advanced, prompt_lp)
-        inp, st = jax.device_put((inp, st), self._replicated)
-        out, prompt_out, self.kv, self.feed = self._step(inp, st, decode_only, advanced, prompt_lp)
+        flat, layout = to_flat((inp, st))
+        flat = jax.device_put(flat, self._replicated)
+        out, prompt_out, self.kv, self.feed = self._step(flat, layout, decode_only, advanced, prompt_lp)
         return out, prompt_out
 
     @staticmethod
@@ -302,9 +306,9 @@ class ModelRunner:
     def run(self, chunks: list, rows: list[RowSampling]) -> SampleOutput:
         return self.collect(self.dispatch(chunks, rows))[0]
 
-    def _step(self, inp: StepInputs, st: SamplingTensors, decode_only: bool, advanced: bool, prompt_lp: bool = False):
+    def _step(self, flat: tuple, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool = False):
         return paged_step(
-            self.params, self.cfg, self.kv, self.feed, inp, st, decode_only, advanced, self.cc.max_logprobs,
+            self.params, self.cfg, self.kv, self.feed, flat, layout, decode_only, advanced, self.cc.max_logprobs,
             self.attn_impl, self.mesh, prompt_lp,
         )  # fmt: skip
 

@@ -1,0 +1,36 @@
+"""Step inputs packed into two flat buffers come back out of the jitted step exactly, dtypes included."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.engine.transfer import from_flat, to_flat
+from jaxinfer.sampling import RowSampling, build_sampling_tensors
+from jaxinfer.step import SeqChunk, pack
+
+
+@pytest.mark.parametrize("advanced", [False, True])
+def test_round_trip_through_jit(advanced):
+    chunks = [SeqChunk([5, 6, 7], 0, [3]), SeqChunk([-2], 9, [1, 4], None), SeqChunk([8, 9], 4, [2], [9, -1])]
+    inp = pack(chunks, 8, 4, 4, 8)
+    extra = dict(repetition_penalty=1.2, logit_bias={4: -1.5}) if advanced else {}
+    rows = [RowSampling(temperature=0.7, top_k=5, seed=2**32 - 1, counter=3, prompt_ids=[1, 2], output_ids=[3],
+                        logprobs=False, **extra),
+            RowSampling(seed=2**31 + 7, top_p=0.5)]  # fmt: skip
+    st = build_sampling_tensors(rows, 4, 16, 4, advanced)
+    flat, layout = to_flat((inp, st))
+    assert flat[0].dtype == np.int32 and flat[1].dtype == np.float32
+    assert hash(layout) == hash(to_flat((inp, st))[1])  # a static jit argument: same shapes, same layout
+
+    @partial(jax.jit, static_argnames="layout")
+    def identity(flat, layout):
+        return from_flat(flat, layout)
+
+    got = identity(jax.device_put(flat), layout)
+    for want, have in zip(jax.tree.leaves((inp, st)), jax.tree.leaves(got), strict=True):
+        assert np.asarray(want).dtype == np.asarray(have).dtype
+        np.testing.assert_array_equal(np.asarray(want), np.asarray(have))
