@@ -12,7 +12,7 @@ from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, new_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request
-from jaxinfer.server.logprobs import completion_logprobs
+from jaxinfer.server.logprobs import completion_logprobs, join_logprobs
 from jaxinfer.server.protocol import CompletionRequest
 from jaxinfer.server.sampling import check_prompt_fits, completion_params, reject_unsupported
 from jaxinfer.server.state import Ticket
@@ -98,6 +98,24 @@ class _View:
             return None
         return completion_logprobs(token_ids, entries or [], self.req.logprobs, self.ctx.token_text, text_offset)
 
+    @property
+    def _scores_prompt(self) -> bool:
+        """echo with logprobs: the choice's logprobs cover the echoed prompt tokens first (OpenAI, vLLM)."""
+        return self.req.echo and self.req.logprobs is not None
+
+    def _choice_logprobs(self, sub: EngineRequest, out: RequestOutput, token_ids, entries, base: int, echoed: bool):
+        """Logprobs of a choice's (new) tokens, offsets from `base`; when `echoed`, the echoed prompt's tokens come
+        first, at offsets from `base` - len(echo): the first one unscored (None), the others as the engine scored
+        them given the tokens before them."""
+        gen = self._logprobs(token_ids, entries, base)
+        if not (echoed and self._scores_prompt):
+            return gen
+        ids = sub.prompt_ids
+        scored = list(out.prompt_logprobs or [])[: len(ids)]
+        scored += [None] * (len(ids) - len(scored))  # never short in practice; an unscored token shows None
+        prompt = self._logprobs(ids, scored, base - len(self._echo(sub)))
+        return join_logprobs(prompt, gen)
+
     def _usage(self, completion_tokens: int) -> dict:
         prompt_tokens = sum(len(s.prompt_ids) for s in self.subs)
         return {
@@ -118,7 +136,7 @@ class _View:
                 choices.append({
                     "index": i * self.n + c.index,
                     "text": echo + c.text,
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs, len(echo)),
+                    "logprobs": self._choice_logprobs(sub, out, c.token_ids, c.logprobs, len(echo), True),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })  # fmt: skip
@@ -140,6 +158,8 @@ class _View:
                     if idx in finished:
                         continue
                     first = idx not in sent_chars
+                    if first and self._scores_prompt and out.prompt_logprobs is None and c.finish_reason is None:
+                        continue  # the echo goes out with its logprobs, which come with the first token
                     prefix = self._echo(self.subs[i]) if first else ""
                     a, t = sent_chars.get(idx, 0), sent_tokens.get(idx, 0)
                     delta = prefix + c.text[a:]
@@ -149,7 +169,9 @@ class _View:
                     choice = {
                         "index": idx,
                         "text": delta,
-                        "logprobs": self._logprobs(c.token_ids[t:], (c.logprobs or [])[t:], base),
+                        "logprobs": self._choice_logprobs(
+                            self.subs[i], out, c.token_ids[t:], (c.logprobs or [])[t:], base, first
+                        ),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }

@@ -28,27 +28,41 @@ def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
 
 
 def completion_logprobs(
-    token_ids: list[int], entries: list[dict[int, float]], num_top: int, token_text: TokenText, text_offset: int
+    token_ids: list[int],
+    entries: list[dict[int, float] | None],
+    num_top: int,
+    token_text: TokenText,
+    text_offset: int,
 ) -> dict:
     """{tokens, token_logprobs, top_logprobs, text_offset}; offsets count from `text_offset` (the echoed prompt).
 
     top_logprobs holds the `num_top` most likely tokens plus the sampled one when it is not among them, as OpenAI
-    documents ("up to logprobs+1 elements").
+    documents ("up to logprobs+1 elements"). A None entry (the first prompt token of an echo: nothing scores it)
+    gives None for its token_logprobs and top_logprobs, as in OpenAI's and vLLM's answers.
     """
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
     for tok, entry in zip(token_ids, entries, strict=True):
         text = token_text(tok)
         tokens.append(text)
-        token_lps.append(_finite(entry.get(tok)))
         offsets.append(offset)
         offset += len(text)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_finite(entry.get(tok)))
         top: dict[str, float] = {}
         for tid, lp in _ranked(entry)[:num_top]:
             top.setdefault(token_text(tid), _finite(lp))
         top.setdefault(text, _finite(entry.get(tok)))  # the sampled token is always there, even with logprobs=0
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    """Two legacy logprobs objects one after the other (the echoed prompt's, then the completion's)."""
+    return {key: first[key] + second[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def _finite(logprob: float | None) -> float:

@@ -22,7 +22,11 @@ def _or(value, default):
 
 
 def build_params(
-    req: SamplingRequest, max_tokens: int, logprobs: int | None, renames: dict[str, str] | None = None
+    req: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    renames: dict[str, str] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -44,6 +48,7 @@ def build_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise from_value_error(e, renames) from None
@@ -52,12 +57,11 @@ def build_params(
 def completion_params(req: CompletionRequest, prompt_len: int, context: int) -> SamplingParams:
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported by this server", "best_of", "unsupported_parameter")
-    if req.echo and req.logprobs is not None:
-        # OpenAI then also scores the prompt tokens, which needs prompt logprobs: not implemented by the engine.
-        raise bad_request("echo with logprobs is not supported by this server", "echo", "unsupported_parameter")
     # vLLM: an explicit null means "as many as fit".
     max_tokens = req.max_tokens if req.max_tokens is not None else max(1, context - prompt_len)
-    return build_params(req, max_tokens, req.logprobs)
+    # echo with logprobs also scores the echoed prompt tokens (OpenAI, vLLM): the engine's prompt logprobs.
+    prompt_logprobs = req.logprobs if req.echo else None
+    return build_params(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def chat_params(req: ChatCompletionRequest, prompt_len: int, context: int) -> tuple[SamplingParams, dict[str, str]]:

@@ -59,7 +59,8 @@ CASES = [
     ("best_of", C, _completion(best_of=3), 400, "best_of"),
     ("suffix", C, _completion(suffix="end"), 400, "suffix"),
     ("prompt_logprobs", C, _completion(prompt_logprobs=1), 400, "prompt_logprobs"),
-    ("echo with logprobs", C, _completion(echo=True, logprobs=1), 400, "echo"),
+    # echo with logprobs is served (tests/server/test_echo_logprobs.py); over the maximum it is still a 400.
+    ("echo with logprobs over max", C, _completion(echo=True, logprobs=21), 400, "logprobs"),
     ("chat: no messages", CHAT, _chat(messages=[]), 400, "messages"),
     ("chat: bad role", CHAT, _chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role"),
     ("chat: max_completion_tokens = 0", CHAT, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),

@@ -1,0 +1,245 @@
+"""/v1/completions with echo and logprobs (OpenAI's legacy completions, as vLLM serves them): the choice's logprobs
+cover the echoed prompt tokens first (the first one unscored: None), then the completion's, streaming or not.
+
+In-process app (starlette's TestClient) on a tiny random-weight model, checked against `LLM` on the same engine
+(run before the server takes the engine over) and a plain forward pass of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxinfer.types import SamplingParams
+
+PROMPTS = ["The capital of France is", "def add(a, b):"]
+K = 3  # logprobs
+MAX_TOKENS = 5
+BODY = {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": K}
+# The settings of test_engine_process's reference engine: the compiled steps come from the XLA cache.
+SETTINGS = {"max_model_len": 128, "num_kv_tokens": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 32}
+
+
+def _write_tiny_model(path: Path) -> None:
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.model import init_params
+    from jaxinfer.model_files import smollm2_gguf
+    from jaxinfer.weights.checkpoint import save_checkpoint
+
+    cfg = ModelConfig(arch="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+    save_checkpoint(path, cfg, init_params(cfg, seed=0), source={"kind": "gguf", "path": str(smollm2_gguf())})
+
+
+def _forward_logprobs(runner, prompt: list[int]) -> np.ndarray:
+    """log-softmax of the model's logits at every prompt position, on the contiguous (non-paged) path."""
+    import jax
+
+    from jaxinfer.generate import run_step
+    from jaxinfer.model.attention import init_contiguous_cache
+
+    t = len(prompt)
+    tokens = np.asarray([prompt], np.int32)
+    pos = np.arange(t, dtype=np.int32)[None]
+    lg, _ = run_step(runner.params, runner.cfg, tokens, pos, pos < t, init_contiguous_cache(runner.cfg, 1, t),
+                     all_logits=True)  # fmt: skip
+    return np.asarray(jax.nn.log_softmax(lg[0], axis=-1))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(TestClient, tokenizer, LLM reference outputs for BODY, forward-pass logprobs per prompt)."""
+    from starlette.testclient import TestClient
+
+    from jaxinfer import LLM
+    from jaxinfer.server.app import build_app
+    from jaxinfer.server.args import ServerArgs
+
+    path = tmp_path_factory.mktemp("tiny-echo") / "ck"
+    _write_tiny_model(path)
+    llm = LLM(str(path), **SETTINGS)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=K, prompt_logprobs=K)
+        refs = llm.generate(PROMPTS, params, use_tqdm=False)
+        forward = [_forward_logprobs(llm.engine.runner, r.prompt_token_ids) for r in refs]
+        app = build_app(ServerArgs(model="tiny"), lambda args: (llm.engine, llm.tokenizer))
+        with TestClient(app) as client:
+            deadline = time.monotonic() + 300
+            while client.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, client.get("/health").text
+                time.sleep(0.05)
+            yield client, llm.tokenizer, refs, forward
+    finally:
+        llm.close()
+
+
+def _text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _stream(client, body: dict) -> list[dict]:
+    chunks = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: ") :]))
+    return chunks
+
+
+def _joined(chunks: list[dict]) -> dict[int, dict]:
+    """Streamed choices joined per index: text and the four logprobs lists concatenated."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            acc = out.setdefault(c["index"], {"text": "", "logprobs": {k: [] for k in c["logprobs"]}})
+            acc["text"] += c["text"]
+            for k, v in c["logprobs"].items():
+                acc["logprobs"][k] += v
+            acc["finish_reason"] = c["finish_reason"]
+    return out
+
+
+def _check_offsets(text: str, lp: dict) -> None:
+    offsets, tokens = lp["text_offset"], lp["tokens"]
+    assert offsets[0] == 0
+    for j in range(len(tokens) - 1):
+        assert offsets[j + 1] == offsets[j] + len(tokens[j])  # monotonic, continuing across prompt and completion
+    assert offsets[-1] + len(tokens[-1]) == len(text)
+
+
+def _check_prompt_part(lp: dict, tokenizer, ids: list[int], ref_lps: list, forward: np.ndarray, prompt: str) -> None:
+    n = len(ids)
+    assert lp["tokens"][:n] == [_text(tokenizer, t) for t in ids]
+    assert "".join(lp["tokens"][:n]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for p in range(1, n):
+        entry = ref_lps[p]
+        assert lp["token_logprobs"][p] == pytest.approx(entry[ids[p]], abs=1e-5)
+        assert lp["token_logprobs"][p] == pytest.approx(float(forward[p - 1, ids[p]]), abs=1e-4)
+        top = lp["top_logprobs"][p]
+        # The K most likely plus the prompt token when it is not among them.
+        assert len(top) == len(entry) and len(top) in (K, K + 1)
+        assert top == pytest.approx({_text(tokenizer, t): v for t, v in entry.items()}, abs=1e-5)
+        best = np.argsort(-forward[p - 1])[:K]
+        assert {_text(tokenizer, int(t)) for t in best} <= set(top)
+
+
+def test_echo_logprobs(served):
+    client, tokenizer, refs, forward = served
+    r = client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for prompt, ref, fwd, choice in zip(PROMPTS, refs, forward, body["choices"], strict=True):
+        ids, gen = ref.prompt_token_ids, ref.outputs[0]
+        n = len(ids)
+        lp = choice["logprobs"]
+        assert choice["text"] == prompt + gen.text
+        assert len(lp["tokens"]) == n + len(gen.token_ids) == n + MAX_TOKENS
+        _check_prompt_part(lp, tokenizer, ids, ref.prompt_logprobs, fwd, prompt)
+        # Then the completion, as without echo.
+        assert lp["tokens"][n:] == [_text(tokenizer, t) for t in gen.token_ids]
+        for j, (tok, entry) in enumerate(zip(gen.token_ids, gen.logprobs, strict=True)):
+            assert lp["token_logprobs"][n + j] == pytest.approx(entry[tok], abs=1e-5)
+            assert len(lp["top_logprobs"][n + j]) in (K, K + 1)
+        if gen.text.isascii():
+            _check_offsets(choice["text"], lp)
+        else:  # a random model's tokens may be partial characters: offsets still count from the echo's end
+            assert lp["text_offset"][n] == len(prompt)
+            assert lp["text_offset"] == sorted(lp["text_offset"])
+    assert body["usage"]["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in refs)
+    assert body["usage"]["completion_tokens"] == 2 * MAX_TOKENS
+
+    # Without echo (or without logprobs) nothing about the prompt changes.
+    plain = client.post("/v1/completions", json={**BODY, "echo": False}).json()
+    for choice, ref in zip(plain["choices"], refs, strict=True):
+        assert (
+            choice["logprobs"]["tokens"]
+            == body["choices"][choice["index"]]["logprobs"]["tokens"][len(ref.prompt_token_ids) :]
+        )
+        assert choice["logprobs"]["text_offset"][0] == 0
+    no_lp = client.post("/v1/completions", json={**BODY, "logprobs": None}).json()
+    assert [c["text"] for c in no_lp["choices"]] == [c["text"] for c in body["choices"]]
+    assert all(c["logprobs"] is None for c in no_lp["choices"])
+
+
+def test_stream_equals_non_stream(served):
+    client, tokenizer, refs, _ = served
+    full = client.post("/v1/completions", json=BODY).json()
+    chunks = _stream(client, BODY)
+    joined = _joined(chunks)
+    assert set(joined) == {0, 1}
+    for choice in full["choices"]:
+        got = joined[choice["index"]]
+        assert got["text"] == choice["text"] and got["finish_reason"] == choice["finish_reason"]
+        assert got["logprobs"]["tokens"] == choice["logprobs"]["tokens"]
+        assert got["logprobs"]["text_offset"] == choice["logprobs"]["text_offset"]
+        assert got["logprobs"]["token_logprobs"][0] is None and got["logprobs"]["top_logprobs"][0] is None
+        assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:],
+                                                                      abs=1e-5)  # fmt: skip
+        for a, b in zip(got["logprobs"]["top_logprobs"][1:], choice["logprobs"]["top_logprobs"][1:], strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+    # The first chunk of each choice carries the whole echoed prompt with its logprobs (as vLLM sends it).
+    for i, ref in enumerate(refs):
+        first = next(c for chunk in chunks for c in chunk["choices"] if c["index"] == i)
+        n = len(ref.prompt_token_ids)
+        assert first["text"].startswith(PROMPTS[i])
+        assert first["logprobs"]["tokens"][:n] == [_text(tokenizer, t) for t in ref.prompt_token_ids]
+        assert first["logprobs"]["token_logprobs"][0] is None and len(first["logprobs"]["tokens"]) > n
+
+
+def test_n_samples_each_echo_the_scored_prompt(served):
+    client, tokenizer, refs, forward = served
+    ids = refs[1].prompt_token_ids
+    body = {
+        "prompt": ids,
+        "max_tokens": 3,
+        "temperature": 1.0,
+        "seed": 0,
+        "n": 2,
+        "echo": True,
+        "logprobs": 1,
+        "ignore_eos": True,
+    }
+    for choices in (client.post("/v1/completions", json=body).json()["choices"], _joined(_stream(client, body))):
+        choices = choices if isinstance(choices, list) else [{**v, "index": k} for k, v in sorted(choices.items())]
+        assert [c["index"] for c in choices] == [0, 1]
+        prompt_parts = []
+        for c in choices:
+            lp = c["logprobs"]
+            assert c["text"].startswith(PROMPTS[1]) and len(lp["tokens"]) == len(ids) + 3
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            for p in range(1, len(ids)):
+                assert lp["token_logprobs"][p] == pytest.approx(float(forward[1][p - 1, ids[p]]), abs=1e-4)
+                assert len(lp["top_logprobs"][p]) in (1, 2)
+            prompt_parts.append([lp[k][: len(ids)] for k in ("tokens", "token_logprobs", "text_offset")])
+        assert prompt_parts[0] == prompt_parts[1]
+
+
+def test_params_and_limits(served):
+    from jaxinfer.server.protocol import CompletionRequest
+    from jaxinfer.server.sampling import completion_params
+
+    def params(**kw) -> SamplingParams:
+        return completion_params(CompletionRequest(prompt="x", **kw), 1, 128)
+
+    # Prompt logprobs are asked of the engine only for echo with logprobs: they cost a full prefill.
+    assert params(echo=True, logprobs=2).prompt_logprobs == 2
+    assert params(echo=True, logprobs=0).prompt_logprobs == 0
+    assert params(logprobs=2).prompt_logprobs is None
+    assert params(echo=True).prompt_logprobs is None
+    client = served[0]
+    # max_tokens 0 (vLLM's "score the prompt only") stays a 400 here, as every max_tokens below 1 does.
+    r = client.post("/v1/completions", json={**BODY, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = client.post("/v1/completions", json={**BODY, "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    # logprobs 0 with echo: each scored prompt token shows just itself.
+    lp = client.post("/v1/completions", json={**BODY, "prompt": PROMPTS[0], "logprobs": 0}).json()["choices"][0]
+    tops = lp["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(len(t) == 1 for t in tops[1:])
