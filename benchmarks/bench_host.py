@@ -22,7 +22,6 @@ Sections:
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -44,11 +43,11 @@ def build(args: argparse.Namespace, max_seqs: int, overlap: bool) -> tuple[Any, 
     from jaxinfer.engine.engine import Engine
     from jaxinfer.engine.runner import CacheConfig
 
-    seq_len = args.prompt_len + args.warmup_steps + args.steps + 8
+    seq_len = args.prompt_len + decode_tokens(args, max_seqs) + 8
     page = 16
     max_len = -(-seq_len // page) * page
     cache = CacheConfig(page_size=page, num_pages=max_seqs * (max_len // page) + 8, max_model_len=max_len,
-                        max_num_seqs=max_seqs, max_num_batched_tokens=max(256, max_seqs),
+                        max_num_seqs=max_seqs, max_num_batched_tokens=budget(max_seqs),
                         enable_prefix_cache=False)  # fmt: skip
     if args.shape:
         cfg = shape_config(args.shape, args.dtype or "bfloat16")
@@ -61,6 +60,18 @@ def build(args: argparse.Namespace, max_seqs: int, overlap: bool) -> tuple[Any, 
 
 
 _MODELS: dict[str, Any] = {}
+
+
+def budget(batch: int) -> int:
+    return max(256, batch)
+
+
+def decode_tokens(args: argparse.Namespace, batch: int) -> int:
+    """max_tokens per request. The prompts are prefilled over several steps (the token budget), and a row starts
+    decoding as soon as its prompt is in, so rows run up to that many steps apart: every row decodes together
+    for `warmup_steps + steps` steps only if each asks for that many more."""
+    prefill_steps = -(-batch * args.prompt_len // budget(batch))
+    return args.warmup_steps + args.steps + prefill_steps
 
 
 def run_loop(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int) -> float:
@@ -85,7 +96,7 @@ def run_loop(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: 
 
 
 def bench_offline(args: argparse.Namespace, batch: int, overlap: bool) -> dict[str, Any]:
-    from jaxinfer.engine.runner import compile_count, paged_step
+    from jaxinfer.engine.runner import compile_count
     from jaxinfer.engine.timeline import StepTimeline
 
     engine, tok = build(args, batch, overlap)
@@ -97,13 +108,14 @@ def bench_offline(args: argparse.Namespace, batch: int, overlap: bool) -> dict[s
     engine.runner.timeline = timeline = StepTimeline()
     c0 = compile_count()
     with capture_steps() as calls:
-        elapsed = run_loop(engine, tok, prompts, args.warmup_steps + args.steps)
+        elapsed = run_loop(engine, tok, prompts, decode_tokens(args, batch))
     compiles = compile_count() - c0
-    s = timeline.summary(kind="decode", skip=args.warmup_steps)
-    # The last decode step, replayed bare: the same program and inputs, nothing of the engine around it.
-    sig = inspect.signature(paged_step)
-    decode_calls = [c for c in calls if sig.bind(*c[0], **c[1]).arguments["decode_only"]]
-    bare = bare_step(engine, decode_calls[-1])
+    # Only the steps that decode every row (the timeline's records and the captured calls are the same steps).
+    s = timeline.summary(kind="decode", skip=args.warmup_steps, num_seqs=batch)
+    full = [i for i, rec in enumerate(timeline.steps) if rec.kind == "decode" and rec.num_seqs == batch]
+    assert len(timeline.steps) == len(calls) and full, "the timeline and the captured steps disagree"
+    # The last full decode step, replayed bare: the same program and inputs, nothing of the engine around it.
+    bare = bare_step(engine, calls[full[-1]])
     bare()
     samples = []
     for _ in range(args.bare_iters):
@@ -113,7 +125,7 @@ def bench_offline(args: argparse.Namespace, batch: int, overlap: bool) -> dict[s
     bare_ms = statistics.median(samples) * 1e3
     return dict(
         batch=batch, overlap=overlap, elapsed_s=elapsed,
-        output_tok_s=batch * (args.warmup_steps + args.steps) / elapsed, compiles=compiles, bare_ms=bare_ms,
+        output_tok_s=batch * decode_tokens(args, batch) / elapsed, compiles=compiles, bare_ms=bare_ms,
         engine_over_bare=s.get("step_ms", float("nan")) / bare_ms, **s,
     )  # fmt: skip
 

@@ -67,9 +67,12 @@ class StepTimeline:
             self._live, self._live_at = self.summary(wait=False), now
         return self._live
 
-    def summary(self, kind: str | None = None, skip: int = 0, wait: bool = True) -> dict[str, float]:
-        """Means over consecutive steps (optionally of one kind; the first `skip` dropped): device busy time per
-        step, host preparation time, the device's idle gap before each step, and idle / (idle + busy).
+    def summary(
+        self, kind: str | None = None, skip: int = 0, wait: bool = True, num_seqs: int | None = None
+    ) -> dict[str, float]:
+        """Means over consecutive steps (optionally only those of one kind and batch size; the first `skip` pairs
+        dropped): device busy time per step, host preparation time, the device's idle gap before each step, and
+        idle / (idle + busy).
         wait=False (a live server) summarises the steps already done without waiting for the one in flight."""
         if wait:
             self.wait()
@@ -79,6 +82,8 @@ class StepTimeline:
         rows = []
         for prev, cur in zip(steps, steps[1:], strict=False):
             if kind is not None and (cur.kind != kind or prev.kind != kind):
+                continue
+            if num_seqs is not None and (cur.num_seqs != num_seqs or prev.num_seqs != num_seqs):
                 continue
             start = max(cur.dispatched, prev.ready)
             rows.append((cur.ready - start, cur.dispatched - cur.host_start, max(0.0, cur.dispatched - prev.ready)))
