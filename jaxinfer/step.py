@@ -73,32 +73,103 @@ class SeqChunk:
 
 
 def pack(chunks: list[SeqChunk], num_tokens: int, max_seqs: int, pages_per_seq: int, page_size: int) -> StepInputs:
-    """Packs chunks into padded numpy StepInputs of exactly (num_tokens, max_seqs, pages_per_seq)."""
-    total = sum(len(c.token_ids) for c in chunks)
-    if total > num_tokens or len(chunks) > max_seqs:
-        raise ValueError(f"{len(chunks)} sequences / {total} tokens do not fit bucket ({max_seqs}, {num_tokens})")
-    tok = np.zeros(num_tokens, np.int32)
-    pos = np.zeros(num_tokens, np.int32)
-    slots = np.full(num_tokens, -1, np.int32)
-    table = np.zeros((max_seqs, pages_per_seq), np.int32)
-    ctx = np.zeros(max_seqs, np.int32)
-    qsl = np.zeros(max_seqs + 1, np.int32)
-    logits_idx = np.zeros(max_seqs, np.int32)
-    targets = np.full(num_tokens, -1, np.int32)
-    off = 0
-    for i, c in enumerate(chunks):
-        n = len(c.token_ids)
-        p = np.arange(c.start, c.start + n, dtype=np.int32)
-        pages = np.asarray(c.pages, np.int32)
-        tok[off : off + n] = c.token_ids
-        pos[off : off + n] = p
-        slots[off : off + n] = pages[p // page_size] * page_size + p % page_size
-        table[i, : len(pages)] = pages
-        ctx[i] = c.start + n
-        qsl[i + 1] = off + n
-        logits_idx[i] = off + n - 1
-        if c.target_ids is not None:
-            targets[off : off + n] = c.target_ids
-        off += n
-    qsl[len(chunks) + 1 :] = off
-    return StepInputs(tok, pos, slots, table, ctx, qsl, np.int32(len(chunks)), logits_idx, targets)
+    """Packs chunks into padded numpy StepInputs of exactly (num_tokens, max_seqs, pages_per_seq) (one-off; the
+    engine keeps a `StepPacker`, whose buffers and page tables live across steps)."""
+    return StepPacker(pages_per_seq, page_size, max(1, len(chunks))).pack(chunks, num_tokens, max_seqs)
+
+
+class PageTables:
+    """Host page tables that live across steps: one row per sequence, written when its pages grow, so a step
+    copies rows (one gather) instead of converting every sequence's page list again.
+
+    A sequence is known by its page list object: the scheduler extends it in place as pages are allocated and
+    replaces it when the pages are released (finish, preemption), which gives the sequence a fresh row.
+    """
+
+    def __init__(self, num_rows: int, pages_per_seq: int):
+        self.table = np.zeros((num_rows, pages_per_seq), np.int32)
+        self._rows: dict[int, list] = {}  # id(page list) -> [row, pages written, the list, last use]
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._clock = 0
+
+    def rows(self, page_lists: list[list[int]]) -> np.ndarray:
+        """The table row of each page list, written up to date."""
+        self._clock += 1
+        out = np.empty(len(page_lists), np.int64)
+        for i, pages in enumerate(page_lists):
+            ent = self._rows.get(id(pages))
+            if ent is None or ent[2] is not pages:
+                ent = self._rows[id(pages)] = [self._take_row(), 0, pages, 0]
+                self.table[ent[0]] = 0  # a recycled row: entries past the pages are 0, as a fresh table's
+            row, written = ent[0], ent[1]
+            if written < len(pages):
+                self.table[row, written : len(pages)] = pages[written:]
+                ent[1] = len(pages)
+            ent[3] = self._clock
+            out[i] = row
+        return out
+
+    def _take_row(self) -> int:
+        if not self._free:  # recycle the rows of the lists unused the longest (gone, or not scheduled lately)
+            stale = sorted(self._rows.items(), key=lambda kv: kv[1][3])[: max(1, len(self._rows) // 2)]
+            for key, ent in stale:
+                if ent[3] == self._clock:
+                    break  # never a row of this step
+                self._free.append(ent[0])
+                del self._rows[key]
+        return self._free.pop()
+
+
+class StepPacker:
+    """Packs SeqChunks into StepInputs in buffers allocated once per (T, S) bucket and reused every step (the
+    transfer to the device copies them: jaxinfer.engine.transfer.to_flat)."""
+
+    def __init__(self, pages_per_seq: int, page_size: int, max_seqs: int):
+        self.pages_per_seq, self.page_size = pages_per_seq, page_size
+        # Twice the live sequences: rows of finished or preempted sequences are recycled lazily.
+        self.tables = PageTables(2 * max_seqs, pages_per_seq)
+        self._buffers: dict[tuple[int, int], StepInputs] = {}
+
+    def _buffer(self, num_tokens: int, max_seqs: int) -> StepInputs:
+        buf = self._buffers.get((num_tokens, max_seqs))
+        if buf is None:
+            i32 = np.int32
+            buf = self._buffers[(num_tokens, max_seqs)] = StepInputs(
+                np.zeros(num_tokens, i32), np.zeros(num_tokens, i32), np.zeros(num_tokens, i32),
+                np.zeros((max_seqs, self.pages_per_seq), i32), np.zeros(max_seqs, i32), np.zeros(max_seqs + 1, i32),
+                np.int32(0), np.zeros(max_seqs, i32), np.zeros(num_tokens, i32),
+            )  # fmt: skip
+        buf.token_ids.fill(0)
+        buf.positions.fill(0)
+        buf.slot_mapping.fill(-1)
+        buf.context_lens.fill(0)
+        buf.query_start_loc.fill(0)
+        buf.logits_indices.fill(0)
+        buf.target_ids.fill(-1)
+        return buf
+
+    def pack(self, chunks: list[SeqChunk], num_tokens: int, max_seqs: int) -> StepInputs:
+        """Padded StepInputs of exactly (num_tokens, max_seqs, pages_per_seq); valid until the next call."""
+        total = sum(len(c.token_ids) for c in chunks)
+        if total > num_tokens or len(chunks) > max_seqs:
+            raise ValueError(f"{len(chunks)} sequences / {total} tokens do not fit bucket ({max_seqs}, {num_tokens})")
+        b = self._buffer(num_tokens, max_seqs)
+        rows = self.tables.rows([c.pages for c in chunks])
+        b.page_table[: len(chunks)] = self.tables.table[rows]
+        b.page_table[len(chunks) :] = 0
+        ps, off = self.page_size, 0
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            p = np.arange(c.start, c.start + n, dtype=np.int32)
+            b.token_ids[off : off + n] = c.token_ids
+            b.positions[off : off + n] = p
+            b.slot_mapping[off : off + n] = b.page_table[i, p // ps] * ps + p % ps
+            b.context_lens[i] = c.start + n
+            b.query_start_loc[i + 1] = off + n
+            b.logits_indices[i] = off + n - 1
+            if c.target_ids is not None:
+                b.target_ids[off : off + n] = c.target_ids
+            off += n
+        b.query_start_loc[len(chunks) + 1 :] = off
+        b.num_seqs = np.int32(len(chunks))
+        return b

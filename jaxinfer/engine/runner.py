@@ -38,7 +38,7 @@ from jaxinfer.sampling import (
     sample,
 )
 from jaxinfer.sharding import KV_POOL_AXES, MODEL, spec
-from jaxinfer.step import StepInputs, pack, pick_bucket, power_of_two_buckets
+from jaxinfer.step import StepInputs, StepPacker, pack, pick_bucket, power_of_two_buckets
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +227,7 @@ class ModelRunner:
         self.num_pages = size_pool(cfg, cache)
         self.followers = None  # a jaxinfer.distributed.Followers on the lead process of a multi-process mesh
         self.timeline: StepTimeline | None = None  # set to record when each step ran (benchmarks, metrics)
+        self.packer = StepPacker(cache.pages_per_seq, cache.page_size, cache.max_num_seqs)
         if jax.process_count() > 1:
             from jaxinfer.distributed import agree_on
 
@@ -274,7 +275,7 @@ class ModelRunner:
         (a pending handle for `collect`). `host_start`: when the caller began preparing the step (timeline)."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
         decode_only, t, s = self.bucket_for(len(chunks), num_tokens)
-        inp = pack(chunks, t, s, self.cc.pages_per_seq, self.cc.page_size)
+        inp = self.packer.pack(chunks, t, s)
         advanced = needs_advanced(rows)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
         out, prompt_lp = self.launch(inp, st, decode_only, advanced, prompt_logprobs)
