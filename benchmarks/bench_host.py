@@ -62,15 +62,19 @@ def build(args: argparse.Namespace, max_seqs: int, overlap: bool) -> tuple[Any, 
 _MODELS: dict[str, Any] = {}
 
 
+PREFILL_TOKENS = 1024  # per step, on top of one token per decoding row
+
+
 def budget(batch: int) -> int:
-    return max(256, batch)
+    """The step token budget: every row can decode and PREFILL_TOKENS of prompts still fit beside them."""
+    return batch + PREFILL_TOKENS
 
 
 def decode_tokens(args: argparse.Namespace, batch: int) -> int:
     """max_tokens per request. The prompts are prefilled over several steps (the token budget), and a row starts
     decoding as soon as its prompt is in, so rows run up to that many steps apart: every row decodes together
     for `warmup_steps + steps` steps only if each asks for that many more."""
-    prefill_steps = -(-batch * args.prompt_len // budget(batch))
+    prefill_steps = -(-batch * args.prompt_len // PREFILL_TOKENS)
     return args.warmup_steps + args.steps + prefill_steps
 
 
@@ -113,7 +117,8 @@ def bench_offline(args: argparse.Namespace, batch: int, overlap: bool) -> dict[s
     # Only the steps that decode every row (the timeline's records and the captured calls are the same steps).
     s = timeline.summary(kind="decode", skip=args.warmup_steps, num_seqs=batch)
     full = [i for i, rec in enumerate(timeline.steps) if rec.kind == "decode" and rec.num_seqs == batch]
-    assert len(timeline.steps) == len(calls) and full, "the timeline and the captured steps disagree"
+    if len(timeline.steps) != len(calls) or not full:
+        raise RuntimeError(f"B={batch}: {len(full)} decode steps with every row ({len(calls)} steps captured)")
     # The last full decode step, replayed bare: the same program and inputs, nothing of the engine around it.
     bare = bare_step(engine, calls[full[-1]])
     bare()
