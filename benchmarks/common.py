@@ -23,7 +23,9 @@ from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.model import init_params, param_shapes
 from jaxinfer.model.transformer import Params
 
-__all__ = ["SHAPES", "format_table", "int_list", "metadata", "random_params", "shape_config", "load_avg"]
+__all__ = [
+    "SHAPES", "format_table", "int_list", "metadata", "host_metadata", "random_params", "shape_config", "load_avg",
+]  # fmt: skip
 
 # Real shapes of a few public models (their config.json values; llama3-8b is Llama-3.1-8B, with its llama3 RoPE
 # scaling), for random-weight runs. `tiny` is for smoke tests: it compiles in about a second on CPU.
@@ -112,3 +114,33 @@ def metadata(prog: str, args: argparse.Namespace, argv: Sequence[str]) -> dict[s
         command=" ".join([f"python -m {prog}", *argv]),
         config={k: v for k, v in vars(args).items() if k != "out"},
     )
+
+
+def host_metadata(prog: str, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """`metadata` for a process that must not touch a device (a benchmark client whose server owns the
+    accelerator: `jax.devices()` would take the GPU's memory): versions, date, host, command, flags, load."""
+    return dict(
+        jax_version=jax.__version__,
+        jaxlib_version=jaxlib.__version__,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        host=dict(
+            cpu_count=os.cpu_count(),
+            machine=platform.machine(),
+            python=platform.python_version(),
+            cpu_model=_cpu_model(),
+        ),  # fmt: skip
+        load_avg_start=load_avg(),
+        command=" ".join([f"python -m {prog}", *argv]),
+        config={k: v for k, v in vars(args).items() if k != "out"},
+    )
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
