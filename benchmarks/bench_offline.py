@@ -278,7 +278,10 @@ def _row(workload: str, engine: str, reqs: list[Request], elapsed: float) -> dic
 def run_reference(
     engine: str, args: argparse.Namespace, workloads: dict[str, list[Request]], tmp: Path, notes: list[str]
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    missing = references.hf_missing() if engine == "hf" else references.llama_cpp_missing()
+    python = sys.executable if engine == "hf" else args.llamacpp_python
+    missing = references.hf_missing() if engine == "hf" else None
+    if engine != "hf" and python == sys.executable:
+        missing = references.llama_cpp_missing()
     if missing:
         notes.append(f"{engine}: skipped: {missing}")
         print(f"note: {notes[-1]}", flush=True)
@@ -287,7 +290,7 @@ def run_reference(
     if not wl_file.exists():
         wl_file.write_text(json.dumps(workloads))
     cmd = [
-        sys.executable, "-m", "benchmarks.references", "--engine", engine, "--model", args.model,
+        python, "-m", "benchmarks.references", "--engine", engine, "--model", args.model,
         "--workload", str(wl_file), "--out", str(out_file), "--threads", str(args.threads),
         "--batch-size", str(args.hf_batch_size), "--n-seq-max", str(args.llamacpp_seqs),
         "--check-prompts", str(args.check_prompts),
@@ -441,6 +444,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--llamacpp-seqs", type=int, default=64, help="llamacpp: concurrent sequences (n_seq_max)")
     p.add_argument("--check-prompts", type=int, default=2, help="prompts for the greedy agreement check")
     p.add_argument("--reference-timeout", type=float, default=0, help="seconds per reference process (0: none)")
+    p.add_argument("--llamacpp-python", default=sys.executable,
+                   help="interpreter for the llama.cpp references (e.g. a venv with a llama-cpp-python rebuilt for "
+                   "this CPU: see benchmarks/README.md)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny workload, references off: a seconds-long run")
     p.add_argument("--out", help="write the results as JSON here (and the plot beside it, .png)")
