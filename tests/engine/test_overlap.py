@@ -28,7 +28,7 @@ def _mixed_workload(tok, seed: int = 0) -> tuple[list[list[int]], list[SamplingP
     texts = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3,", "Q: What is JAX?\nA:",
              "Les fleurs du jardin", "import numpy as np\n", "The quick brown fox"]  # fmt: skip
     prompts, params = [], []
-    for i in range(20):
+    for i in range(14):
         ids = tok.encode(rng.choice(texts))
         if i % 4 == 0:
             ids = shared + ids
