@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -218,7 +219,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     roofline.add_peak_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny grid and few iterations: a seconds-long run")
-    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--out", help="write the results as JSON here (and the plot beside it, .png)")
+    p.add_argument("--plot", help="PNG path for the plot (default: --out with .png)")
     args = p.parse_args(argv)
     defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
     for name, value in defaults.items():
@@ -264,6 +266,37 @@ def decode_table(rows: list[dict[str, Any]]) -> str:
         for r in rows
     ]  # fmt: skip
     return format_table(headers, body)
+
+
+def write_plot(prefill: list[dict[str, Any]], decode: list[dict[str, Any]], path: str, title: str) -> str:
+    """Engine and bare step time against the roofline floor: prefill by prompt length, decode by batch."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a benchmark machine
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    both = ((prefill, "tokens", "prefill: prompt tokens"), (decode, "batch", "decode: batch size"))
+    panels = [(rows, key, label) for rows, key, label in both if rows]
+    if not panels:
+        return "nothing to plot"
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (rows, key, label) in zip(axes[0], panels, strict=True):
+        xs = [r[key] for r in rows]
+        for field, name in (("engine_s", "engine"), ("bare_s", "bare step"), ("floor_s", "roofline floor")):
+            ys = [r[field] * 1e3 if r.get(field) else float("nan") for r in rows]
+            ax.plot(xs, ys, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("ms per step")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -329,6 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, prefill=prefill_rows, decode=decode_rows, notes=notes), f, indent=1)
         print(f"\nwrote {args.out}")
+    plot = args.plot or (str(Path(args.out).with_suffix(".png")) if args.out else None)
+    if plot:
+        title = f"{args.shape or args.model} ({cfg.dtype}) on {meta['device_kind']}, jax {meta['jax_version']}"
+        print(write_plot(prefill_rows, decode_rows, plot, title))
     return 0
 
 

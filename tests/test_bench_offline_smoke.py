@@ -99,6 +99,7 @@ def test_latency_quick_tiny_shape(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert bench_latency.main(argv) == 0
     printed = capsys.readouterr().out
     assert "== prefill" in printed and "== decode" in printed
+    assert (tmp_path / "latency.png").stat().st_size > 0  # the plot beside the JSON
     res = json.loads(out.read_text())
     assert res["meta"]["peak_bytes_per_s"] == 20e9 and res["meta"]["peak_flops"] > 0
     quick = bench_latency.QUICK_DEFAULTS
