@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import SHAPES, format_table, int_list, load_avg, metadata, random_params, shape_config
+from benchmarks.common import SHAPES, format_table, int_list, load_avg, metadata, pyplot, random_params, shape_config
 
 FULL_DEFAULTS: dict[str, Any] = dict(prefill_len="128,512,2048", batch="1,8,32", context=512, warmup=2, iters=10)
 QUICK_DEFAULTS: dict[str, Any] = dict(prefill_len="16,32", batch="1,3", context=24, warmup=1, iters=3)
@@ -270,12 +270,8 @@ def decode_table(rows: list[dict[str, Any]]) -> str:
 
 def write_plot(prefill: list[dict[str, Any]], decode: list[dict[str, Any]], path: str, title: str) -> str:
     """Engine and bare step time against the roofline floor: prefill by prompt length, decode by batch."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display on a benchmark machine
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
     both = ((prefill, "tokens", "prefill: prompt tokens"), (decode, "batch", "decode: batch size"))
     panels = [(rows, key, label) for rows, key, label in both if rows]

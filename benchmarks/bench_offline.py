@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import references
-from benchmarks.common import SHAPES, format_table, load_avg, metadata, random_params, shape_config
+from benchmarks.common import SHAPES, format_table, load_avg, metadata, pyplot, random_params, shape_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -376,12 +376,8 @@ def jaxinfer_table(rows: list[dict[str, Any]]) -> str:
 
 
 def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display on a benchmark machine
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     engines = list(dict.fromkeys(r["engine"] for r in rows))

@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.common import format_table, host_metadata, int_list, load_avg
+from benchmarks.common import format_table, host_metadata, int_list, load_avg, pyplot
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PERCENTILES = (50, 90, 99)
@@ -611,12 +611,8 @@ def latency_table(rows: list[dict[str, Any]], rat: list[dict[str, Any]]) -> str:
 
 
 def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display on a benchmark machine
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
     runs = list(dict.fromkeys(r["run"] for r in rows))
     engines = list(dict.fromkeys(r["engine"] for r in rows))

@@ -102,18 +102,8 @@ def load_avg() -> list[float] | None:
 def metadata(prog: str, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     """What the JSON needs to be read later: device, versions, date, command, the resolved flags, machine load."""
     dev = jax.devices()[0]
-    return dict(
-        device_kind=dev.device_kind,
-        platform=dev.platform,
-        device_count=jax.device_count(),
-        jax_version=jax.__version__,
-        jaxlib_version=jaxlib.__version__,
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        host=dict(cpu_count=os.cpu_count(), machine=platform.machine(), python=platform.python_version()),
-        load_avg_start=load_avg(),
-        command=" ".join([f"python -m {prog}", *argv]),
-        config={k: v for k, v in vars(args).items() if k != "out"},
-    )
+    return dict(device_kind=dev.device_kind, platform=dev.platform, device_count=jax.device_count(),
+                **host_metadata(prog, args, argv))  # fmt: skip
 
 
 def host_metadata(prog: str, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
@@ -144,3 +134,15 @@ def _cpu_model() -> str | None:
     except OSError:
         pass
     return platform.processor() or None
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (no display on a benchmark machine), or None if missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

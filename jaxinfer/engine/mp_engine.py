@@ -30,14 +30,11 @@ from typing import Any
 
 import zmq
 
+from jaxinfer.engine.async_engine import EngineDeadError  # one error for both fronts
 from jaxinfer.engine.core_process import pack, params_to_wire, run_core, unpack, update_from_wire
 from jaxinfer.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process died; no request can be served."""
 
 
 class EngineLoadError(RuntimeError):
