@@ -16,6 +16,7 @@ impl:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ def gpu_block_kv(head_dim: int) -> int:
 
 
 def _decode_gpu(interpret: bool) -> _Candidate:
-    def check(q, k_pages, v_pages):
+    def check(q, k_pages, v_pages, page_table=None):
         decode_gpu.check_supported(q, k_pages, v_pages, gpu_block_kv(q.shape[-1]))
 
     def run(q, k_pages, v_pages, page_table, lengths, **kw):
@@ -70,7 +71,7 @@ def _decode_tpu(interpret: bool) -> _Candidate:
 
 
 def _ragged_gpu(interpret: bool) -> _Candidate:
-    def check(q, k_pages, v_pages):
+    def check(q, k_pages, v_pages, page_table=None):
         block_q = ragged_gpu.default_block_q(q.shape[1] // max(1, k_pages.shape[2]))
         ragged_gpu.check_supported(q, k_pages, v_pages, block_q, gpu_block_kv(q.shape[-1]))
 
@@ -136,15 +137,39 @@ def _static_opts(scale: float, sliding_window: int | None, soft_cap: float | Non
     )
 
 
-def _pick(candidates: list[_Candidate], args: tuple[Any, ...], op: str) -> _Candidate:
+# (op, kernel, reason) triples already warned about: a fallback is worth one warning per process, not one per trace.
+_warned: set[tuple[str, str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_fallback(op: str, kernel: str, reason: str) -> None:
+    key = (op, kernel, reason)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    _log.warning("%s attention: %s declined this case (%s); falling back to the next implementation", op, kernel,
+                 reason)  # fmt: skip
+
+
+def explain(candidates: list[_Candidate], args: tuple[Any, ...]) -> tuple[str, list[tuple[str, str]]]:
+    """(chosen implementation, [(kernel, why it declined)] for every kernel tried before it). No warnings."""
+    declined = []
     for cand in candidates:
         try:
             cand.check(*args)
         except UnsupportedCase as e:
-            _log.debug("%s: %s does not support this case (%s); trying next", op, cand.name, e)
+            declined.append((cand.name, str(e)))
             continue
-        return cand
+        return cand.name, declined
     raise AssertionError("the reference candidate accepts everything")  # pragma: no cover
+
+
+def _pick(candidates: list[_Candidate], args: tuple[Any, ...], op: str) -> _Candidate:
+    name, declined = explain(candidates, args)
+    for kernel, reason in declined:
+        _warn_fallback(op, kernel, reason)
+    return next(c for c in candidates if c.name == name)
 
 
 def decode_implementation(
@@ -152,9 +177,10 @@ def decode_implementation(
     k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
     v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
     impl: str | None = None,
+    page_table: jax.Array | None = None,  # i32[B, pages_per_seq]; None: skip the checks that need its size
 ) -> str:
-    """Name of the implementation ``paged_decode_attention`` would use for these shapes."""
-    return _pick(decode_candidates(impl), (q, k_pages, v_pages), "decode").name
+    """Name of the implementation ``paged_decode_attention`` would use for these shapes (no warning)."""
+    return explain(decode_candidates(impl), (q, k_pages, v_pages, page_table))[0]
 
 
 def ragged_implementation(
@@ -162,9 +188,10 @@ def ragged_implementation(
     k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
     v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
     impl: str | None = None,
+    page_table: jax.Array | None = None,  # i32[max_seqs, pages_per_seq]; None: skip the checks that need its size
 ) -> str:
-    """Name of the implementation ``ragged_paged_attention`` would use for these shapes."""
-    return _pick(ragged_candidates(impl), (q, k_pages, v_pages), "ragged").name
+    """Name of the implementation ``ragged_paged_attention`` would use for these shapes (no warning)."""
+    return explain(ragged_candidates(impl), (q, k_pages, v_pages, page_table))[0]
 
 
 def paged_decode_attention(
@@ -179,7 +206,7 @@ def paged_decode_attention(
     soft_cap: float | None = None,  # None or 0: no cap
     impl: str | None = None,
 ) -> jax.Array:  # f[B, Hq, D]
-    cand = _pick(decode_candidates(impl), (q, k_pages, v_pages), "decode")
+    cand = _pick(decode_candidates(impl), (q, k_pages, v_pages, page_table), "decode")
     return cand.run(q, k_pages, v_pages, page_table, lengths, **_static_opts(scale, sliding_window, soft_cap))
 
 
@@ -197,7 +224,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,  # None or 0: no cap
     impl: str | None = None,
 ) -> jax.Array:  # f[T, Hq, D]
-    cand = _pick(ragged_candidates(impl), (q, k_pages, v_pages), "ragged")
+    cand = _pick(ragged_candidates(impl), (q, k_pages, v_pages, page_table), "ragged")
     return cand.run(
         q,
         k_pages,

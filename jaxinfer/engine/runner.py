@@ -84,11 +84,12 @@ def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: st
         """q f[T, H, Dh]; k, v f[T, Hkv, Dh]; kp, vp f[P, page, Hkv, Dh] -> (out f[T, H, Dh], kp, vp)."""
         kp, vp = kernels_pallas.write_kv(kp, vp, k, v, slots)
         opts = dict(scale=cfg.scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap, impl=impl)
+        qk = q.astype(kp.dtype)  # a --kv-cache-dtype other than the model's: attend in the pool's dtype
         if decode_only:
-            out = kernels_pallas.paged_decode_attention(q, kp, vp, table, ctx, **opts)
+            out = kernels_pallas.paged_decode_attention(qk, kp, vp, table, ctx, **opts)
         else:
-            out = kernels_pallas.ragged_paged_attention(q, kp, vp, table, ctx, qsl, nseq, **opts)
-        return out, kp, vp
+            out = kernels_pallas.ragged_paged_attention(qk, kp, vp, table, ctx, qsl, nseq, **opts)
+        return out.astype(q.dtype), kp, vp
 
     def attend(i: int, q, k, v, pools):
         fn = partial(layer_attention, cfg.layer_windows[i])
@@ -177,6 +178,7 @@ class CacheConfig:
     enable_prefix_cache: bool = True
     max_logprobs: int = 20  # top alternatives computed every step (vLLM's max_logprobs)
     logit_bias_capacity: int = 512  # logit_bias entries per request, min_tokens' stop-id bans included
+    kv_cache_dtype: str | None = None  # the KV pool's dtype; None: the model's
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_model_len < 1 or self.max_num_seqs < 1:
@@ -191,8 +193,8 @@ class CacheConfig:
         return -(-self.max_model_len // self.page_size)
 
 
-def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str | None = None) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_cache_dtype or cfg.dtype).itemsize
 
 
 def _free_device_bytes() -> int:
@@ -208,7 +210,7 @@ def size_pool(cfg: ModelConfig, cc: CacheConfig) -> int:
     """Number of pages: explicit, or the memory fraction of what is free now, divided by a page's bytes."""
     if cc.num_pages is not None:
         return cc.num_pages
-    page_bytes = kv_bytes_per_token(cfg) * cc.page_size
+    page_bytes = kv_bytes_per_token(cfg, cc.kv_cache_dtype) * cc.page_size
     return max(1, int(_free_device_bytes() * cc.memory_fraction) // page_bytes)
 
 
@@ -243,7 +245,8 @@ class ModelRunner:
             self.params = params
             self._replicated = NamedSharding(mesh, P())
             pool = NamedSharding(mesh, spec(KV_POOL_AXES, mesh))
-        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype)), out_shardings=pool)
+        kv_dtype = jnp.dtype(cache.kv_cache_dtype or cfg.dtype)
+        zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=pool)
         self.kv: KVPools = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
         # The last step's sampled tokens, kept on device for the next step's placeholders (overlap scheduling).
         # Every process of a multi-process mesh runs the same steps, so each keeps the same feed.
@@ -253,8 +256,25 @@ class ModelRunner:
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB); up to %d sequences of %d tokens",
             self.num_pages, cache.page_size, self.num_pages * cache.page_size,
-            self.num_pages * cache.page_size * kv_bytes_per_token(cfg) / 2**20,
+            self.num_pages * cache.page_size * kv_bytes_per_token(cfg, cache.kv_cache_dtype) / 2**20,
             cache.max_num_seqs, cache.max_model_len,
+        )  # fmt: skip
+        self._log_startup(kv_dtype.name)
+
+    def _log_startup(self, kv_dtype: str) -> None:
+        """Backend, devices, mesh and the attention implementation each step kind will use (and why a kernel
+        declined), so a run on the wrong device or on the jnp reference is visible in the first lines."""
+        from jaxinfer.device import describe_attention, describe_devices
+
+        tp = 1 if self.mesh is None else self.mesh.shape[MODEL]
+        log.info("%s; model dtype %s, KV cache dtype %s", describe_devices(self.mesh), self.cfg.dtype, kv_dtype)
+        log.info(
+            "%s",
+            describe_attention(
+                self.cfg.num_heads // tp, self.cfg.num_kv_heads // tp, self.cfg.head_dim, kv_dtype, self.num_pages,
+                self.cc.page_size, self.cc.max_num_seqs, self.cc.max_num_batched_tokens, self.attn_impl,
+                self.cc.pages_per_seq,
+            ),
         )  # fmt: skip
 
     @property

@@ -58,11 +58,13 @@ def test_decode_gpu_kernel_matches_reference(head_dim, hq, hkv, page_size, windo
 
 
 @pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype", DECODE_CASES)
-def test_decode_tpu_kernel_matches_reference(head_dim, hq, hkv, page_size, window, soft_cap, dtype):
+@pytest.mark.parametrize("pages_per_step", [None, 2])
+def test_decode_tpu_kernel_matches_reference(head_dim, hq, hkv, page_size, window, soft_cap, dtype, pages_per_step):
+    # pages_per_step=2: several grid steps per row, each with pages past the row's length to skip.
     case = _decode_case(head_dim, hq, hkv, page_size, dtype)
     kw = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
     expected = reference.paged_decode_attention(*case.args(), **kw)
-    out = decode_tpu.paged_decode_attention(*case.args(), **kw, interpret=True)
+    out = decode_tpu.paged_decode_attention(*case.args(), **kw, pages_per_step=pages_per_step, interpret=True)
     assert out.shape == expected.shape and out.dtype == dtype
     assert_close(out, np.asarray(expected.astype(jnp.float32)), dtype)
     assert not np.any(np.asarray(out[0])), "length-0 row must be exactly zero"
