@@ -9,8 +9,13 @@ the CPU gets an error instead.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import jax
+if TYPE_CHECKING:
+    import jax
+
+# NOTE: jax is imported inside the functions: the server's argument parser imports this module's constants, and the
+# HTTP side starts before jax does.
 
 DEVICE_ENV = "JAXINFER_DEVICE"
 DEVICES = ("auto", "cpu", "gpu", "tpu")
@@ -46,6 +51,8 @@ def requested_device(device: str | None = None) -> str:
 
 def check_device(device: str | None = None) -> str:
     """Returns jax's backend ("cpu", "gpu", "tpu"), or raises DeviceUnavailableError when the requested one differs."""
+    import jax
+
     want = requested_device(device)
     got = jax.default_backend()
     if want != "auto" and got != want:
@@ -83,6 +90,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str) -> str:
 
 
 def describe_devices(mesh: jax.sharding.Mesh | None) -> str:
+    import jax
+
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
     mesh_text = "none (one device)" if mesh is None else ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
@@ -105,6 +114,8 @@ def describe_attention(
     pages_per_seq: int,
 ) -> str:
     """Which attention implementation the decode and the mixed steps will use, and why any kernel declined."""
+    import jax
+
     from kernels_pallas.dispatch import decode_candidates, explain, ragged_candidates
 
     kv = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), dtype)

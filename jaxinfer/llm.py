@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
+from jaxinfer.device import check_device, resolve_kv_cache_dtype
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
@@ -35,7 +36,9 @@ PromptType = str | list[int] | dict[str, Any]
 def build_engine(
     model: str = DEFAULT_MODEL,
     *,
-    dtype: str = "float32",
+    dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    device: str | None = None,
     max_model_len: int | None = None,
     max_num_seqs: int = 32,
     max_num_batched_tokens: int | None = None,
@@ -53,7 +56,11 @@ def build_engine(
 ) -> tuple[Engine | DataParallelEngine, Tokenizer]:
     """The engine and tokenizer behind `LLM` and the server, from vLLM-named settings. `compilation_cache` may
     be a directory for jax's persistent compilation cache. `overlap_scheduling` dispatches each step before the
-    previous one's tokens are read on the host (same outputs; turn it off to debug the plain loop)."""
+    previous one's tokens are read on the host (same outputs; turn it off to debug the plain loop). `dtype` "auto"
+    is float32 on CPU and the checkpoint's half precision (or bfloat16) on GPU/TPU; `kv_cache_dtype` "auto" follows
+    it. `device` ("auto", "cpu", "gpu", "tpu"; default $JAXINFER_DEVICE, else what $JAX_PLATFORMS asks for) raises
+    `jaxinfer.device.DeviceUnavailableError` when jax initialised another backend."""
+    check_device(device)
     if compilation_cache:
         # A second start then restores the compiled steps instead of compiling them again.
         enable_compilation_cache(compilation_cache if isinstance(compilation_cache, str) else None)
@@ -80,6 +87,7 @@ def build_engine(
         max_num_batched_tokens=max_num_batched_tokens or max(256, max_num_seqs),
         enable_prefix_cache=enable_prefix_caching,
         max_logprobs=max_logprobs,
+        kv_cache_dtype=None if kv_cache_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_cache_dtype, cfg.dtype),
     )
     eos = tokenizer.eos_token_ids
     if data_parallel_size > 1:
@@ -94,7 +102,8 @@ def build_engine(
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
-        """`settings` are `build_engine`'s: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+        """`settings` are `build_engine`'s: dtype, kv_cache_dtype, device, max_model_len, max_num_seqs,
+        max_num_batched_tokens, block_size,
         num_kv_tokens, gpu_memory_utilization, enable_prefix_caching, max_logprobs, seed, tensor_parallel_size,
         data_parallel_size, attn_impl, compilation_cache, overlap_scheduling."""
         self.model = model

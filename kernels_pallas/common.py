@@ -13,6 +13,10 @@ import jax.numpy as jnp
 # weight everywhere; the online softmax below guards the -inf - -inf case explicitly.
 NEG_INF = float("-inf")
 
+# 32-bit words the TPU kernels may scalar-prefetch into SMEM (page table, lengths, block schedule). SMEM is small
+# and also holds the compiler's own scalars, so the tables get a conservative share of it; a bigger case falls back.
+SMEM_BUDGET_WORDS = 1 << 16
+
 
 class UnsupportedCase(NotImplementedError):
     """Raised at trace time by a kernel wrapper for shapes/dtypes it cannot handle.

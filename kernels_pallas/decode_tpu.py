@@ -36,18 +36,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.common import NEG_INF, UnsupportedCase, apply_soft_cap, cdiv, key_mask
+from kernels_pallas.common import NEG_INF, SMEM_BUDGET_WORDS, UnsupportedCase, apply_soft_cap, cdiv, key_mask
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 # Cap on the all-heads logits tile (Hq x page_size * Hkv f32) that the masked-GQA trick materialises.
 _MAX_LOGITS_ELEMS = 1 << 17
 # KV tokens one grid step aims to cover (pages_per_step = this // page_size).
 _TARGET_KV_TOKENS = 128
-# VMEM the kernel asks Mosaic for (passed as vmem_limit_bytes), and the SMEM words the scalar-prefetched page
-# table and lengths may take. Every TPU generation since v4 has >= 16 MiB of VMEM per core; SMEM is smaller
-# (the compiler's own scalars live there too), so the tables get a conservative share of it.
+# VMEM the kernel asks Mosaic for (passed as vmem_limit_bytes): every TPU generation since v4 has >= 16 MiB per core.
 VMEM_LIMIT_BYTES = 16 * 1024 * 1024
-SMEM_BUDGET_WORDS = 1 << 16
 _INT32_MAX = 2**31 - 1
 
 

@@ -37,7 +37,10 @@ Lane windows (D == 64 with Hkv > 1): a 64-lane slice at lane offset 64 is not ti
 reads the aligned 128-lane window holding heads (2 * (h // 2), 2 * (h // 2) + 1), and the wrapper places
 its queries in the matching half of a 128-lane query with zeros in the other half: q_w . k_window ==
 q . k_h exactly. p @ v_window yields head h's output in that half (the other half is discarded). This
-spends 2x the MXU flops of a 64-wide dot to keep every vector access lane aligned.
+spends 2x the MXU flops of a 64-wide dot to keep every vector access lane aligned. With an odd Hkv (the
+default model: 3 KV heads of 64) the last head has no partner: a 128-lane window would run past the pool
+row, so it reads its own 64 lanes (a 128-aligned start) and dots them with the first half of its query
+window; its output lands in that half, as for any even head.
 
 Costs / limits: the grid axis is sequential (no megacore split on v4/v5p); the whole page table sits in
 SMEM (max_seqs * pages_per_seq words); a decode token still computes a whole G * block_q-row tile (the
@@ -58,6 +61,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.common import (
     NEG_INF,
+    SMEM_BUDGET_WORDS,
     UnsupportedCase,
     apply_soft_cap,
     cdiv,
@@ -77,6 +81,9 @@ _SUBLANE_TILE = {4: 8, 2: 16}
 _TARGET_KV_TOKENS = 128
 _TARGET_Q_ROWS = 128
 _VMEM_BUDGET = 12 * 1024 * 1024
+# The scoped VMEM limit passed to Mosaic (v5e's default is 16 MiB; every generation since v4 has at least that).
+VMEM_LIMIT_BYTES = 16 * 1024 * 1024
+_INT32_MAX = 2**31 - 1
 
 
 def lane_window(head_dim: int, num_kv_heads: int) -> int:
@@ -90,11 +97,12 @@ def check_supported(
     q: jax.Array,  # f[T, Hq, D]
     k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
     v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    page_table: jax.Array | None = None,  # i32[max_seqs, pages_per_seq]; None: the SMEM check is skipped
     block_q: int | None = None,
     pages_per_step: int | None = None,
 ) -> None:
-    _, num_q_heads, head_dim = q.shape
-    _, _, num_kv_heads, _ = k_pages.shape
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if k_pages.shape != v_pages.shape:
         raise UnsupportedCase("k_pages and v_pages shapes differ")
     if num_q_heads % num_kv_heads:
@@ -103,10 +111,16 @@ def check_supported(
         raise UnsupportedCase(f"dtypes q={q.dtype} k={k_pages.dtype} v={v_pages.dtype}")
     if head_dim % _LANES and head_dim != 64:
         raise UnsupportedCase(f"head_dim={head_dim} not a multiple of 128 (or 64)")
-    if head_dim == 64 and num_kv_heads > 1 and num_kv_heads % 2:
-        # The last head's 128-lane window would start at lane 64 (unaligned).
-        raise UnsupportedCase(f"head_dim=64 needs an even num_kv_heads (or 1), got {num_kv_heads}")
-    block_sizes(q, k_pages, None, block_q, pages_per_step)
+    if num_pages * page_size * num_kv_heads * head_dim > _INT32_MAX:
+        raise UnsupportedCase(f"int32: the KV pool has {num_pages * page_size * num_kv_heads * head_dim} elements")
+    bq, _ = block_sizes(q, k_pages, None, block_q, pages_per_step)
+    if page_table is not None:
+        max_seqs, pages_per_seq = page_table.shape
+        blocks = max(1, min(num_tokens, cdiv(num_tokens, bq) + max_seqs))
+        # Scalar prefetch: block seq ids and offsets, page table, context_lens, query_start_loc, num_seqs.
+        words = 2 * blocks + max_seqs * pages_per_seq + 2 * max_seqs + 2
+        if words > SMEM_BUDGET_WORDS:
+            raise UnsupportedCase(f"SMEM: the scalar-prefetched tables take {words} words > {SMEM_BUDGET_WORDS}")
 
 
 def block_sizes(
@@ -321,10 +335,14 @@ def _ragged_kernel(
         # so zero V itself. (K needs nothing: its logits are replaced by -inf with a select.)
         v_ok = v_row < cur["kv_len"] - k_start
         for h in range(num_kv_heads):
-            lanes = pl.ds((h // heads_per_window) * width, width)  # static, 128-aligned (or whole row)
-            k = k_buf[slot, :, lanes]  # f[kv_tokens, W]
+            # The unpaired last head of an odd Hkv (D == 64) reads only its own 64 lanes (see the docstring).
+            lone = heads_per_window > 1 and h == num_kv_heads - 1 and num_kv_heads % 2 == 1
+            w = head_dim if lone else width
+            lanes = pl.ds((h // heads_per_window) * width, w)  # static, 128-aligned (or whole row)
+            k = k_buf[slot, :, lanes]  # f[kv_tokens, w]
             v = v_buf[slot, :, lanes]
-            logits = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            q = q_ref[h][:, :w] if lone else q_ref[h]
+            logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             logits = apply_soft_cap(logits * scale, soft_cap)
             logits = jnp.where(mask, logits, NEG_INF)  # f32[rows, kv_tokens]
 
@@ -335,9 +353,10 @@ def _ragged_kernel(
             corr = jnp.exp(m_prev - m_safe)
             l_ref[h] = corr * l_prev + jnp.sum(p, axis=-1, keepdims=True)
             m_ref[h] = m_next
-            v = jnp.where(v_ok, v, jnp.zeros((), v.dtype))
+            v = jnp.where(v_ok[:, :w], v, jnp.zeros((), v.dtype))
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            acc_ref[h] = acc_ref[h] * corr + pv
+            acc = acc_ref.at[h, :, pl.ds(0, w)]  # a lone head fills the first half; the rest stays zero
+            acc[...] = acc[...] * corr + pv
         return carry
 
     lax.fori_loop(0, cur["num_steps"], step_body, 0)
@@ -372,7 +391,7 @@ def ragged_paged_attention(
     """``block_q``: query tokens per block (power of 2); ``pages_per_step``: KV pages per DMA/compute step.
     ``interpret``: True for the generic Pallas interpreter, or ``pltpu.InterpretParams()`` for the
     TPU-faithful one (simulated DMAs/semaphores, stricter bounds)."""
-    check_supported(q, k_pages, v_pages, block_q, pages_per_step)
+    check_supported(q, k_pages, v_pages, page_table, block_q, pages_per_step)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -439,7 +458,7 @@ def ragged_paged_attention(
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows, width), q.dtype),
         # Sequential: a block prefetches the next block's first KV step and hands over the buffer slot.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(

@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from jaxinfer.device import DEVICE_ENV, DEVICES, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.model_files import DEFAULT_MODEL
 
 API_KEY_ENV = "JAXINFER_API_KEY"
@@ -18,7 +19,9 @@ class ServerArgs:
     served_model_name: list[str] = field(default_factory=list)  # empty: the --model string
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "float32"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    device: str | None = None  # None: $JAXINFER_DEVICE, else what $JAX_PLATFORMS asks for, else auto
     max_model_len: int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
@@ -67,7 +70,19 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights and activations; auto: float32 on CPU, the checkpoint's (or bfloat16) on GPU/TPU",
+    )
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache; auto: as --dtype")
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=DEVICES,
+        help=f"fail at start-up unless jax runs on this backend (default: ${DEVICE_ENV}, else JAX_PLATFORMS's first)",
+    )
     p.add_argument(
         "--max-model-len",
         type=_positive_int,

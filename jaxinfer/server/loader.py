@@ -26,7 +26,8 @@ def build_engine(args: ServerArgs) -> tuple[Engine, Tokenizer]:
 
     t0 = time.perf_counter()
     engine, tokenizer = build(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_tokens=args.num_kv_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs, seed=args.seed,

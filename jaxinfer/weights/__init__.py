@@ -7,6 +7,7 @@ the dtype), so the second start restores instead of converting.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.device import resolve_dtype
 from jaxinfer.model.transformer import Params, param_axes
 from jaxinfer.model_files import resolve_model_path
 from jaxinfer.weights.checkpoint import is_checkpoint, read_config, restore_checkpoint, save_checkpoint
@@ -45,16 +47,36 @@ def _cache_key(path: Path, dtype: str) -> str:
     return f"{path.stem}-{dtype}-{hashlib.sha1(raw.encode()).hexdigest()[:12]}"
 
 
+def checkpoint_dtype(path: Path) -> str | None:
+    """The dtype the weights are stored in: an HF config.json's `torch_dtype` (transformers 5: `dtype`), a jaxinfer
+    checkpoint's; None for GGUF (quantized blocks, dequantized on load) or when the checkpoint does not say."""
+    if is_checkpoint(path):
+        return read_config(path).dtype
+    if path.is_dir() and (path / "config.json").exists():
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError:
+            return None  # read_hf_config reports the broken file with its name
+        for cfg in (raw, raw.get("text_config") or {}):  # multimodal wrappers may keep it on the text tower only
+            value = cfg.get("torch_dtype") or cfg.get("dtype")
+            if value:
+                return str(value).removeprefix("torch.")
+    return None
+
+
 def load_weights(
     model: str | Path,
-    dtype: str = "float32",
+    dtype: str = "auto",
     cache_dir: Path | None = None,
     use_cache: bool = True,
     mesh: Mesh | None = None,
 ) -> tuple[ModelConfig, Params, Path]:
     """(config, params, path of the original weights). With a mesh, params are placed shard by shard and the
-    config is the one they fit (see `jaxinfer.sharding.sharded_config`)."""
+    config is the one they fit (see `jaxinfer.sharding.sharded_config`). `dtype` "auto": see
+    `jaxinfer.device.auto_dtype` (float32 on CPU; the checkpoint's half precision, or bfloat16, on GPU/TPU)."""
     path = resolve_model_path(str(model))
+    backend = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    dtype = resolve_dtype(dtype, backend, checkpoint_dtype(path) if dtype == "auto" else None)
     if is_checkpoint(path):
         cfg, params, source = _restore(path, dtype, mesh)
         return cfg, params, Path(source.get("path", path))
@@ -104,7 +126,7 @@ def _restore(path: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, Pa
     return cfg, params, source
 
 
-def load_model(model: str | Path, dtype: str = "float32", **kwargs: Any) -> LoadedModel:
+def load_model(model: str | Path, dtype: str = "auto", **kwargs: Any) -> LoadedModel:
     """Config, params and tokenizer for a model name (preset), GGUF file, HF directory or checkpoint."""
     from jaxinfer.tokenizer import load_tokenizer
 

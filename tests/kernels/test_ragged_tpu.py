@@ -37,6 +37,8 @@ CASES = [
     pytest.param(256, 4, 1, 16, 9, None, jnp.bfloat16, 4, None, id="d256-g4-ps16-win-bf16"),
     # Default block sizes; bf16 head_dim 64 lane windows with 2 KV heads; a window spanning pages.
     pytest.param(64, 16, 2, 16, 20, None, jnp.bfloat16, None, None, id="d64-g8-ps16-win-bf16-defaults"),
+    # The default model's layout (SmolLM2: 9 query / 3 KV heads of 64): the last window is half padding.
+    pytest.param(64, 9, 3, 16, 0, None, jnp.bfloat16, None, None, id="d64-g3-hkv3-ps16-bf16"),
 ]
 
 # (q_len, context_len): full prefill over several query blocks, a chunked-prefill continuation over a
@@ -127,14 +129,16 @@ def test_ragged_tpu_kernel_layouts():
             np.testing.assert_array_equal(np.asarray(out), np.asarray(kernel(*case.args())), "not deterministic")
 
 
-def test_ragged_tpu_kernel_under_tpu_interpreter():
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 8, 2), (64, 9, 3)])
+def test_ragged_tpu_kernel_under_tpu_interpreter(head_dim, hq, hkv):
     # The TPU interpreter simulates the HBM -> VMEM DMAs and their semaphores: DMAs land only when waited
     # on ("on_wait"), scratch starts as NaN, and the race detector flags reads of a buffer while a DMA into
-    # it is in flight -- so a missing/misplaced wait or a wrong double-buffer slot shows up here.
+    # it is in flight -- so a missing/misplaced wait or a wrong double-buffer slot shows up here. With 3 KV
+    # heads of 64 the padded lanes of the last window start as NaN too: they must be zeroed before use.
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp  # private: race flag
 
-    case = _case(SEQS, head_dim=128, hq=8, hkv=2, page_size=16, dtype=jnp.bfloat16, seed=3)
-    kw = dict(scale=128**-0.5, sliding_window=12, soft_cap=None)
+    case = _case(SEQS, head_dim=head_dim, hq=hq, hkv=hkv, page_size=16, dtype=jnp.bfloat16, seed=3)
+    kw = dict(scale=head_dim**-0.5, sliding_window=12, soft_cap=None)
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait", uninitialized_memory="nan")
     out = ragged_tpu.ragged_paged_attention(*case.args(), **kw, block_q=4, pages_per_step=2, interpret=params)
     out.block_until_ready()
@@ -152,10 +156,10 @@ def test_ragged_tpu_check_supported():
 
     ragged_tpu.check_supported(*shapes())
     ragged_tpu.check_supported(*shapes(head_dim=64, hkv=1, hq=3))
+    ragged_tpu.check_supported(*shapes(head_dim=64, hkv=3, hq=9))  # odd KV heads (the default model): padded window
     ragged_tpu.check_supported(*shapes(head_dim=256, page_size=24, dtype=jnp.bfloat16))  # 1 page per step
     for bad, kw in [
         (shapes(head_dim=80), {}),  # not lane aligned
-        (shapes(head_dim=64, hkv=3, hq=6), {}),  # odd KV heads: unaligned 64-lane window
         (shapes(dtype=jnp.bfloat16, kv_dtype=jnp.float32), {}),
         (shapes(dtype=jnp.float16), {}),
         (shapes(), dict(block_q=6)),

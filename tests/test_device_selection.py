@@ -1,0 +1,172 @@
+"""`--dtype auto` per backend and checkpoint, `--kv-cache-dtype`, and the error for a requested accelerator that jax
+did not initialise (jaxinfer/device.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.device import (
+    DeviceUnavailableError,
+    auto_dtype,
+    check_device,
+    requested_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
+from jaxinfer.engine.runner import CacheConfig, ModelRunner, kv_bytes_per_token
+from jaxinfer.model import init_params
+from jaxinfer.model_files import smollm2_gguf
+from jaxinfer.weights import checkpoint_dtype, load_weights
+
+
+@pytest.mark.parametrize(
+    "backend,stored,expected",
+    [
+        ("cpu", "bfloat16", "float32"),  # XLA:CPU: no fast bf16 matmuls, whatever the checkpoint holds
+        ("cpu", None, "float32"),  # GGUF on CPU
+        ("gpu", "bfloat16", "bfloat16"),  # HF bf16 checkpoint: its own dtype
+        ("tpu", "float16", "float16"),
+        ("gpu", "float32", "bfloat16"),  # fp32 checkpoint on an accelerator: half precision, as vLLM
+        ("gpu", None, "bfloat16"),  # dequantized GGUF on GPU
+        ("tpu", None, "bfloat16"),  # ... and on TPU
+    ],
+)
+def test_auto_dtype_per_backend_and_checkpoint(backend, stored, expected):
+    assert auto_dtype(backend, stored) == expected
+    assert resolve_dtype("auto", backend, stored) == expected
+    assert resolve_dtype("float16", backend, stored) == "float16"  # an explicit dtype is kept
+
+
+def test_unknown_dtype_names_the_parameter():
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("fp8", "gpu", None)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        resolve_kv_cache_dtype("int4", "float32")
+
+
+def test_checkpoint_dtype_reads_hf_configs(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16"}))
+    assert checkpoint_dtype(tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "float16"}))  # transformers 5
+    assert checkpoint_dtype(tmp_path) == "float16"
+    nested = {"model_type": "gemma3", "text_config": {"torch_dtype": "bfloat16"}}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    assert checkpoint_dtype(tmp_path) == "bfloat16"
+    assert checkpoint_dtype(smollm2_gguf()) is None  # quantized: auto picks per backend
+
+
+@pytest.fixture(scope="module")
+def hf_bf16_dir(tmp_path_factory):
+    from tests.model.hf_reference import build
+
+    path = tmp_path_factory.mktemp("hf")
+    build("qwen3", path)
+    config = json.loads((path / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("backend,expected", [("cpu", "float32"), ("gpu", "bfloat16"), ("tpu", "bfloat16")])
+def test_load_weights_auto_follows_the_backend(hf_bf16_dir, monkeypatch, backend, expected):
+    # The backend is what jax reports; the weights themselves still load on this CPU in the chosen dtype.
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    cfg, params, _ = load_weights(hf_bf16_dir)
+    assert cfg.dtype == expected
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(expected)}
+
+
+TINY = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=8)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
+def test_kv_cache_dtype_sets_the_pool_and_its_size(kv_cache_dtype, caplog):
+    cc = CacheConfig(page_size=8, num_pages=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                     kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="jaxinfer.engine.runner"):
+        runner = ModelRunner(TINY, init_params(TINY), cc)
+    expected = jnp.dtype(kv_cache_dtype or TINY.dtype)
+    assert all(k.dtype == expected and v.dtype == expected for k, v in runner.kv)
+    assert kv_bytes_per_token(TINY, kv_cache_dtype) == 2 * 2 * 2 * 8 * expected.itemsize
+    # The start-up lines name the backend, the device, the mesh and both attention choices.
+    text = caplog.text
+    assert f"backend {jax.default_backend()}" in text and "mesh none" in text
+    assert f"KV cache dtype {expected.name}" in text
+    assert "attention: decode reference | mixed reference" in text
+
+
+def test_kv_cache_dtype_follows_the_model_unless_set():
+    assert resolve_kv_cache_dtype("auto", "bfloat16") == "bfloat16"
+    assert resolve_kv_cache_dtype(None, "float32") == "float32"
+    assert resolve_kv_cache_dtype("bfloat16", "float32") == "bfloat16"
+
+
+def test_bf16_kv_cache_under_an_f32_model_decodes():
+    """Queries are cast to the pool's dtype for attention and back: the steps run, and the first token (prefill
+    attention over bf16-rounded K/V) matches the f32 contiguous generator."""
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.generate import generate_tokens
+    from jaxinfer.types import SamplingParams
+
+    cc = CacheConfig(page_size=8, num_pages=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                     kv_cache_dtype="bfloat16")  # fmt: skip
+    params = init_params(TINY)
+    prompts = [[1, 5, 9, 3], [7, 2, 4, 4]]
+    outs = Engine(TINY, params, cc).generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    tokens = [o[0].output_token_ids for o in outs]
+    assert all(len(t) == 3 for t in tokens)
+    assert [t[0] for t in tokens] == [t[0] for t in generate_tokens(params, TINY, prompts, 1)]
+
+
+@pytest.mark.parametrize(
+    "env,arg,expected",
+    [
+        ({}, None, "auto"),
+        ({"JAXINFER_DEVICE": "tpu"}, None, "tpu"),
+        ({"JAX_PLATFORMS": "cuda,cpu"}, None, "gpu"),  # jax would fall back to CPU silently
+        ({"JAX_PLATFORMS": "tpu"}, None, "tpu"),
+        ({"JAXINFER_DEVICE": "gpu", "JAX_PLATFORMS": "cpu"}, None, "gpu"),
+        ({"JAXINFER_DEVICE": "gpu"}, "auto", "auto"),  # the flag wins over the environment
+    ],
+)
+def test_requested_device(monkeypatch, env, arg, expected):
+    monkeypatch.delenv("JAXINFER_DEVICE", raising=False)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert requested_device(arg) == expected
+
+
+@pytest.mark.parametrize("want", ["gpu", "tpu"])
+def test_asking_for_an_accelerator_and_getting_cpu_is_an_error(monkeypatch, want):
+    if jax.default_backend() == want:
+        pytest.skip(f"this machine has a {want}")
+    with pytest.raises(DeviceUnavailableError, match=rf"device: {want} was requested but jax initialised"):
+        check_device(want)
+    monkeypatch.setenv("JAXINFER_DEVICE", want)
+    with pytest.raises(DeviceUnavailableError, match=r"\[(cuda|tpu)\]"):  # names the install command
+        check_device()
+
+
+def test_matching_or_auto_device_passes(monkeypatch):
+    monkeypatch.delenv("JAXINFER_DEVICE", raising=False)
+    assert check_device(jax.default_backend()) == jax.default_backend()
+    assert check_device("auto") == jax.default_backend()
+    with pytest.raises(ValueError, match="device"):
+        check_device("npu")
+
+
+def test_server_flags_default_to_auto():
+    from jaxinfer.server.args import parse_args
+
+    args = parse_args([])
+    assert (args.dtype, args.kv_cache_dtype, args.device) == ("auto", "auto", None)
+    args = parse_args(["--dtype", "bfloat16", "--kv-cache-dtype", "float32", "--device", "tpu"])
+    assert (args.dtype, args.kv_cache_dtype, args.device) == ("bfloat16", "float32", "tpu")
