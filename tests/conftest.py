@@ -1,6 +1,14 @@
-"""Shared test settings. Tests run on CPU; parity references come from HF transformers on PyTorch CPU."""
+"""Shared test settings. Tests run on CPU; parity references come from HF transformers on PyTorch CPU.
+
+JAXINFER_TEST_DEVICE=1 lets jax pick its accelerator (its default backend: a GPU or TPU when jax's CUDA or TPU wheels
+are installed; JAX_PLATFORMS still forces one) so that tests/device/ runs there; see README.md, "Tests on a GPU or
+TPU". Without it every test process is pinned to the CPU.
+"""
 
 import os
 
-# Keep XLA from grabbing every core's worth of threads per test process on a 2-core CI machine.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+DEVICE_TESTS = os.environ.get("JAXINFER_TEST_DEVICE") == "1"
+
+if not DEVICE_TESTS:
+    # Pinned: on a GPU/TPU host the CPU suite must not grab the accelerator, and CI has none.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")

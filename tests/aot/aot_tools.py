@@ -1,0 +1,281 @@
+"""Compile the engine's step for TPU and H100 on a CPU-only machine (see ../shared/AOT_COMPILE.md).
+
+TPU: libtpu's real XLA:TPU + Mosaic compiler, on abstract devices from `jax.experimental.topologies`.
+H100: the Triton IR that the Pallas Triton lowering produces, compiled to an sm_90a cubin by the pip `triton`
+package (bundled ptxas; no GPU, no CUDA install), with its shared memory, registers and spills read back.
+
+Both toolchains come from the `aot` extra (`bash scripts/install.sh aot` puts them in .venv-aot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.runner import CacheConfig, _paged_attend, kv_bytes_per_token, paged_step
+from jaxinfer.engine.transfer import from_flat, to_flat
+from jaxinfer.model.transformer import forward, logits, param_axes, param_shapes
+from jaxinfer.sampling import build_sampling_tensors
+from jaxinfer.sharding import KV_POOL_AXES, make_mesh, sharded_config, spec, tree_shardings
+from jaxinfer.step import pack
+
+# H100 SXM: 227 KiB of shared memory per block (opt-in maximum), 255 registers per thread.
+H100_MAX_SHARED_BYTES = 232_448
+H100_MAX_REGISTERS = 255
+
+# Topology descriptions libtpu accepts on a CPU host (the name alone is not enough; see AOT_COMPILE.md), with the
+# HBM per chip used to size the KV pool the way the engine does.
+TPU_TOPOLOGIES = {
+    "v5e:1x1": dict(chip_config_name="default", chips_per_host_bounds=(1, 1, 1), hbm_bytes=16 * 2**30),
+    "v5e:2x2": dict(chip_config_name="default", chips_per_host_bounds=(2, 2, 1), hbm_bytes=16 * 2**30),
+    "v6e:1x1": dict(chip_config_name="default", chips_per_host_bounds=(1, 1, 1), hbm_bytes=32 * 2**30),
+    "v6e:2x2": dict(chip_config_name="default", chips_per_host_bounds=(2, 2, 1), hbm_bytes=32 * 2**30),
+    "v5p:2x2x1": dict(chip_config_name="megacore", chips_per_host_bounds=(2, 2, 1), hbm_bytes=95 * 2**30),
+}
+H100_HBM_BYTES = 80 * 2**30
+
+# Names given to pl.pallas_call by each kernel: what must appear in a compiled module.
+KERNEL_NAMES = {
+    ("tpu", True): "paged_decode_attention_tpu",
+    ("tpu", False): "ragged_paged_attention_tpu",
+    ("gpu", True): "paged_decode_attention_triton",
+    ("gpu", False): "ragged_paged_attention_triton",
+}
+
+
+def have_libtpu() -> bool:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def have_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tpu_devices(topology: str) -> list:
+    from jax.experimental import topologies
+
+    opts = dict(TPU_TOPOLOGIES[topology])
+    opts.pop("hbm_bytes")
+    desc = topologies.get_topology_desc(
+        platform="tpu", topology_name=topology, num_slices=1, wrap=(False, False, False), **opts
+    )
+    return list(desc.devices)
+
+
+def pool_pages(cfg: ModelConfig, cc: CacheConfig, hbm_bytes: int, num_devices: int) -> int:
+    """The engine's pool size on a device with this much memory: half of what the weights leave free."""
+    weights = sum(int(np.prod(s)) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=_is_shape))
+    weights *= np.dtype(cfg.dtype).itemsize
+    free = hbm_bytes * num_devices - weights
+    if free <= 0:
+        raise ValueError(f"{weights / 2**30:.1f} GiB of weights do not fit {num_devices} x {hbm_bytes / 2**30} GiB")
+    return int(free * cc.memory_fraction) // (kv_bytes_per_token(cfg, cc.kv_cache_dtype) * cc.page_size)
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+@dataclass(frozen=True)
+class StepCase:
+    """One compiled step: a model config (with the real per-layer shapes), a cache and a bucket."""
+
+    cfg: ModelConfig
+    cc: CacheConfig
+    decode_only: bool
+    num_pages: int
+
+    @property
+    def tokens(self) -> int:
+        return self.cc.max_num_seqs if self.decode_only else self.cc.max_num_batched_tokens
+
+
+def step_args(case: StepCase, devices: list, tp: int, impl: str) -> tuple[tuple, dict]:
+    """Abstract arguments of `paged_step` for this case, placed on `devices` (one device, or a tp-way mesh)."""
+    cfg, cc = case.cfg, case.cc
+    s = cc.max_num_seqs
+    inp = pack([], case.tokens, s, cc.pages_per_seq, cc.page_size)
+    st = build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, False)
+    flat, layout = to_flat((inp, st))
+    if tp == 1:
+        mesh = None
+        rep = pool = SingleDeviceSharding(devices[0])
+        params_sh = jax.tree.map(lambda _: rep, param_axes(cfg), is_leaf=_is_axes)
+    else:
+        mesh = make_mesh(tp, 1, devices=devices)
+        cfg = sharded_config(cfg, tp)
+        rep, pool = NamedSharding(mesh, P()), NamedSharding(mesh, spec(KV_POOL_AXES, mesh))
+        params_sh = tree_shardings(param_axes(cfg), mesh)
+    params = jax.tree.map(
+        lambda shape, sh: jax.ShapeDtypeStruct(shape, cfg.dtype, sharding=sh),
+        param_shapes(cfg), params_sh, is_leaf=_is_shape,
+    )  # fmt: skip
+    kv_shape = (case.num_pages, cc.page_size, cfg.num_kv_heads, cfg.head_dim)
+    kv_dtype = cc.kv_cache_dtype or cfg.dtype
+    kv = [(jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=pool),) * 2 for _ in range(cfg.num_layers)]
+    feed = jax.ShapeDtypeStruct((s,), np.int32, sharding=rep)
+    flat = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in flat)
+    args = (params, cfg, kv, feed, flat, layout, case.decode_only, False, cc.max_logprobs, impl, mesh, False)
+    return args, dict(mesh=mesh, cfg=cfg)
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout", "decode_only", "impl", "mesh"), donate_argnames=("kv",))
+def model_step(params, cfg, kv, flat, layout, decode_only: bool, impl: str | None, mesh):
+    """`paged_step` up to the logits of the sampled rows: the same packed inputs, the engine's own attention closure
+    (K/V writes, the dispatched kernel, shard_map over the model axis), without the sampler. The sampler does not
+    depend on the model's shapes and takes most of the step's TPU compile time, so the model matrix compiles this
+    and one whole `paged_step` per bucket covers the sampler."""
+    inp, _ = from_flat(flat, layout)
+    hidden, kv = forward(
+        params, cfg, inp.token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh)
+    )
+    return logits(params, cfg, hidden[0][inp.logits_indices]), kv
+
+
+def compile_for_tpu(case: StepCase, topology: str, tp: int = 1, whole_step: bool = False) -> str:
+    """Compiles the model step (or with `whole_step`, the engine's whole `paged_step`) with libtpu; returns the
+    optimized HLO text. Compile errors propagate."""
+    devices = tpu_devices(topology)[:tp]
+    args, _ = step_args(case, devices, tp, "pallas_tpu")
+    if not whole_step:
+        params, cfg, kv, _, flat, layout, decode_only, _, _, impl, mesh, _ = args
+        args = (params, cfg, kv, flat, layout, decode_only, impl, mesh)
+    fn = paged_step if whole_step else model_step
+    with jax.default_device(devices[0]):  # Pallas TPU reads the chip generation from the default device
+        return fn.lower(*args).compile().as_text()
+
+
+def tpu_kernel_calls(hlo: str, kernel: str) -> list[str]:
+    """The tpu_custom_call instructions of the compiled module that run `kernel`."""
+    return [ln for ln in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in ln and f"%{kernel}" in ln]
+
+
+# ---------------------------------------------------------------------------------------------- H100
+
+
+@dataclass(frozen=True)
+class TritonKernel:
+    name: str
+    ttir: str  # Triton IR text
+    num_warps: int
+    num_stages: int
+
+
+@contextmanager
+def capture_triton_modules():
+    """Records the Triton module of every Pallas Triton kernel lowered inside the block (jaxlib <= 0.10.2 ships it
+    to XLA:GPU as IR, so this is the only place it exists as text before XLA compiles it)."""
+    from jax._src.pallas.triton import lowering
+
+    captured: list[str] = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def wrapper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm())
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = wrapper
+    try:
+        yield captured
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+_CALL_RE = re.compile(r'custom_call_target\s*=\s*"__gpu\$xla\.gpu\.triton"')
+
+
+def lower_for_h100(fn, *args) -> tuple[str, list[TritonKernel]]:
+    """Lowers a jitted function for CUDA; returns the StableHLO text and the Triton kernels in it (deduplicated)."""
+    with capture_triton_modules() as modules:
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    configs = re.findall(r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)
+    if len(configs) != len(modules):
+        raise AssertionError(f"{len(modules)} Triton modules captured but {len(configs)} Triton custom calls found")
+    kernels = {}
+    for ttir, (name, stages, warps) in zip(modules, configs, strict=True):
+        kernels.setdefault(ttir, TritonKernel(name, ttir, int(warps), int(stages)))
+    return text, list(kernels.values())
+
+
+def h100_step_kernels(case: StepCase) -> tuple[str, list[TritonKernel]]:
+    args, _ = step_args(case, [jax.devices("cpu")[0]], 1, "pallas_gpu")
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct)
+                        else a, args)  # fmt: skip
+    return lower_for_h100(paged_step, *args)
+
+
+@dataclass(frozen=True)
+class CubinReport:
+    name: str
+    shared_bytes: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+
+
+def compile_for_h100(kernel: TritonKernel) -> CubinReport:
+    """Triton IR -> sm_90a cubin with the pip triton (raises on compile errors), then its resources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"TRITON_CACHE_DIR": str(Path(tmp) / "cache"), "TRITON_DEFAULT_FP_FUSION": "1"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            src = Path(tmp) / f"{kernel.name}.ttir"
+            src.write_text(kernel.ttir)
+            compiled = triton.compile(
+                str(src), target=GPUTarget("cuda", 90, 32),
+                options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
+            )  # fmt: skip
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        res = _cuobjdump_resources(cubin)
+    return dataclasses.replace(res, name=kernel.name, shared_bytes=int(compiled.metadata.shared))
+
+
+def _cuobjdump_resources(cubin: Path) -> CubinReport:
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"  # bundled with triton
+    out = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", out)
+    if m is None:
+        raise AssertionError(f"unexpected cuobjdump output: {out}")
+    spill_st = re.search(r"spill stores?\D*(\d+)", out)
+    spill_ld = re.search(r"spill loads?\D*(\d+)", out)
+    return CubinReport("", 0, int(m.group(1)), int(spill_st.group(1)) if spill_st else 0,
+                       int(spill_ld.group(1)) if spill_ld else 0)  # fmt: skip

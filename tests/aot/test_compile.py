@@ -1,0 +1,151 @@
+"""Real compiles, at the engine's real shapes, for TPU (libtpu: XLA:TPU + Mosaic) and H100 (Triton -> sm_90a cubin),
+on this CPU-only machine. Lowering alone proves little: tiling, VMEM/SMEM, register and shared-memory limits are
+only checked when the real compiler runs.
+
+Run them with the tools of the `aot` extra, kept in their own virtualenv (CI does this):
+
+    bash scripts/install.sh aot && .venv-aot/bin/python -m pytest -q tests/aot
+
+Each case compiles one layer of each kind the model has (the kernels' shapes do not depend on the depth), with the
+KV pool sized the way the engine sizes it on that device (half the memory the full model's weights leave free), the
+engine's default max_num_seqs / max_num_batched_tokens buckets and a 4096-token context. Every compiled module must
+contain the intended Pallas kernel once per layer; a fallback to the jnp reference fails the test.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from aot_tools import (
+    H100_HBM_BYTES,
+    H100_MAX_SHARED_BYTES,
+    KERNEL_NAMES,
+    TPU_TOPOLOGIES,
+    StepCase,
+    compile_for_h100,
+    compile_for_tpu,
+    h100_step_kernels,
+    have_libtpu,
+    have_triton,
+    lower_for_h100,
+    pool_pages,
+    tpu_devices,
+    tpu_kernel_calls,
+)
+
+from benchmarks.common import SHAPES
+from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer.engine.runner import CacheConfig
+from kernels_pallas import decode_gpu, ragged_tpu
+
+_HOW = "the AOT compilers live in .venv-aot: `bash scripts/install.sh aot && .venv-aot/bin/python -m pytest tests/aot`"
+needs_libtpu = pytest.mark.skipif(not have_libtpu(), reason=f"libtpu missing; {_HOW}")
+needs_triton = pytest.mark.skipif(not have_triton(), reason=f"triton missing; {_HOW}")
+
+# Gemma 3 270M (google/gemma-3-270m config.json): one KV head of 256, every 6th layer global, the rest slide.
+GEMMA3_270M = dict(
+    arch="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
+    num_kv_heads=1, head_dim=256, norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True,
+    qk_norm=True, activation="gelu_tanh", norm_offset=1.0, embed_scale=True, sandwich_norm=True,
+    layer_windows=tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18)), query_scale=256**-0.5,
+    rope=RopeConfig(theta=1_000_000.0), rope_local=RopeConfig(theta=10_000.0),
+)  # fmt: skip
+MODELS = {
+    "smollm2-135m": SHAPES["smollm2-135m"],
+    "gemma3-270m": GEMMA3_270M,
+    "qwen3-0.6b": SHAPES["qwen3-0.6b"],
+    "llama3-8b": SHAPES["llama3-8b"],
+}
+CACHE = CacheConfig(max_model_len=4096)  # the engine's defaults otherwise: 32 sequences, 256-token mixed steps
+BUCKETS = [pytest.param(True, id="decode"), pytest.param(False, id="mixed")]
+
+
+def _case(model: str, decode_only: bool, hbm_bytes: int, num_devices: int) -> StepCase:
+    full = ModelConfig(**MODELS[model], dtype="bfloat16")
+    # One layer of each attention kind the model has (sliding and global for Gemma 3).
+    windows = tuple(sorted(set(full.layer_windows), reverse=True))
+    cfg = full.replace(num_layers=len(windows), layer_windows=windows)
+    return StepCase(cfg, CACHE, decode_only, pool_pages(full, CACHE, hbm_bytes, num_devices))
+
+
+# ---------------------------------------------------------------------------------------------- TPU
+
+
+@needs_libtpu
+@pytest.mark.parametrize("decode_only", BUCKETS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_tpu_single_chip_compiles_the_kernel(model, decode_only):
+    case = _case(model, decode_only, TPU_TOPOLOGIES["v6e:1x1"]["hbm_bytes"], 1)
+    hlo = compile_for_tpu(case, "v6e:1x1")
+    calls = tpu_kernel_calls(hlo, KERNEL_NAMES[("tpu", decode_only)])
+    assert len(calls) == case.cfg.num_layers, f"expected the Pallas kernel in every layer, found {len(calls)}"
+
+
+# SmolLM2's 9 query heads do not split 4 ways: it runs on one chip (above).
+@needs_libtpu
+@pytest.mark.parametrize("decode_only", BUCKETS)
+@pytest.mark.parametrize("model", ["gemma3-270m", "qwen3-0.6b", "llama3-8b"])
+def test_tpu_2x2_tensor_parallel_compiles_the_kernel(model, decode_only):
+    # The engine's mesh (make_mesh(tp=4)) over a v5e 2x2 slice: attention runs per shard under shard_map.
+    case = _case(model, decode_only, TPU_TOPOLOGIES["v5e:2x2"]["hbm_bytes"], 4)
+    hlo = compile_for_tpu(case, "v5e:2x2", tp=4)
+    calls = tpu_kernel_calls(hlo, KERNEL_NAMES[("tpu", decode_only)])
+    assert len(calls) == case.cfg.num_layers, f"expected the Pallas kernel in every layer, found {len(calls)}"
+
+
+@needs_libtpu
+@pytest.mark.parametrize("decode_only", BUCKETS)
+def test_tpu_whole_paged_step_compiles(decode_only):
+    """The engine's whole step (sampler included) for the default model on one chip."""
+    case = _case("smollm2-135m", decode_only, TPU_TOPOLOGIES["v5e:1x1"]["hbm_bytes"], 1)
+    hlo = compile_for_tpu(case, "v5e:1x1", whole_step=True)
+    assert len(tpu_kernel_calls(hlo, KERNEL_NAMES[("tpu", decode_only)])) == case.cfg.num_layers
+
+
+@needs_libtpu
+def test_tpu_oversized_kernel_fails_the_vmem_check(monkeypatch):
+    """Proof that the check can fail: with the static VMEM guard lifted, an oversized KV step (whole pages of 8
+    KV heads x 256, 64 pages per step) is rejected by the real compiler for VMEM."""
+    monkeypatch.setattr(ragged_tpu, "_VMEM_BUDGET", 1 << 40)
+    dev = tpu_devices("v5e:1x1")[0]
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    av = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    args = (av((256, 32, 256)), av((4096, 16, 8, 256)), av((4096, 16, 8, 256)), av((32, 256), jnp.int32),
+            av((32,), jnp.int32), av((33,), jnp.int32), av((), jnp.int32))  # fmt: skip
+    fn = functools.partial(ragged_tpu.ragged_paged_attention, scale=0.1, block_q=64, pages_per_step=64)
+    with jax.default_device(dev), pytest.raises(Exception, match="(?i)vmem"):
+        jax.jit(fn).lower(*args).compile()
+
+
+# ---------------------------------------------------------------------------------------------- H100
+
+
+@needs_triton
+@pytest.mark.parametrize("decode_only", BUCKETS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_h100_kernels_compile_within_limits(model, decode_only):
+    case = _case(model, decode_only, H100_HBM_BYTES, 1)
+    text, kernels = h100_step_kernels(case)
+    name = KERNEL_NAMES[("gpu", decode_only)]
+    assert name in text and {k.name for k in kernels} == {name}, "expected the Triton kernel, not the reference"
+    for kernel in kernels:
+        report = compile_for_h100(kernel)
+        assert report.shared_bytes <= H100_MAX_SHARED_BYTES, report
+        assert report.spill_stores == 0 and report.spill_loads == 0, report
+
+
+@needs_triton
+def test_h100_oversized_kernel_fails_the_shared_memory_check():
+    """Proof that the check can fail: 256-token KV blocks of head dim 256 in 4 pipeline stages compile, but need
+    more shared memory than an H100 block has."""
+    avals = (jax.ShapeDtypeStruct((8, 16, 256), jnp.bfloat16), jax.ShapeDtypeStruct((512, 16, 2, 256), jnp.bfloat16),
+             jax.ShapeDtypeStruct((512, 16, 2, 256), jnp.bfloat16), jax.ShapeDtypeStruct((8, 64), jnp.int32),
+             jax.ShapeDtypeStruct((8,), jnp.int32))  # fmt: skip
+    fn = jax.jit(functools.partial(decode_gpu.paged_decode_attention, scale=0.1, block_kv=256, num_stages=4))
+    _, kernels = lower_for_h100(fn, *avals)
+    (kernel,) = kernels
+    report = compile_for_h100(kernel)
+    assert report.shared_bytes > H100_MAX_SHARED_BYTES, report

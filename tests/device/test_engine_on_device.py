@@ -1,0 +1,64 @@
+"""The engine end to end on the device: bf16 greedy tokens against the CPU float32 run of the same model, seeded
+batch invariance, and no compiles after warm-up."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.runner import CacheConfig, compile_count
+from jaxinfer.generate import generate_tokens
+from jaxinfer.model_files import smollm2_gguf
+from jaxinfer.types import SamplingParams
+from jaxinfer.weights import load_weights
+
+NEW = 16
+CC = CacheConfig(page_size=16, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 40000, n).tolist() for n in (5, 17, 40, 64, 130, 9, 250, 33)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg, params, _ = load_weights(smollm2_gguf())  # dtype auto: bfloat16 on a GPU/TPU
+    assert cfg.dtype == "bfloat16"
+    eng = Engine(cfg, params, CC)
+    eng.runner.warmup()
+    return eng
+
+
+def test_bf16_greedy_tokens_agree_with_cpu_fp32(engine, prompts):
+    """Agreement rule: every prompt's first 4 greedy tokens are identical, and the common prefix of the 16 tokens
+    averages at least 8 over the prompts (bf16 rounding may flip a later near-tie, after which greedy runs differ)."""
+    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o[0].output_token_ids for o in engine.generate(prompts, greedy)]
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        cfg32, params32, _ = load_weights(smollm2_gguf(), dtype="float32")
+        params32 = jax.device_put(params32, cpu)
+        want = generate_tokens(params32, cfg32, prompts, NEW)
+    pairs = zip(got, want, strict=True)
+    prefix = [next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), NEW) for g, w in pairs]
+    assert min(prefix) >= 4, (prefix, got, want)
+    assert np.mean(prefix) >= 8, (prefix, got, want)
+
+
+def test_seeded_request_is_batch_invariant(engine, prompts):
+    params = SamplingParams(max_tokens=NEW, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = engine.generate([prompts[2]], params)[0][0].output_token_ids
+    others = SamplingParams(max_tokens=NEW, temperature=1.0, seed=7, ignore_eos=True)
+    batch = engine.generate([prompts[0], prompts[2], *prompts[3:]], [others, params, *[others] * 5])
+    assert batch[1][0].output_token_ids == alone
+
+
+def test_no_compiles_after_warmup(engine, prompts):
+    before = compile_count()
+    engine.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.7, seed=3, ignore_eos=True))
+    engine.generate(prompts[:3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert compile_count() == before
