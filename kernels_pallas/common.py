@@ -26,6 +26,15 @@ class UnsupportedCase(NotImplementedError):
     """
 
 
+def check_pool_offsets(k_pages) -> None:
+    """Element offsets into the KV pool are int32 in the kernels (Triton pointers, Mosaic DMA addresses)."""
+    elements = 1
+    for n in k_pages.shape:
+        elements *= int(n)
+    if elements > 2**31 - 1:
+        raise UnsupportedCase(f"int32: the KV pool has {elements} elements, past int32 offsets")
+
+
 def cdiv(a, b):
     """Ceiling division that works for Python ints and traced integer scalars/arrays."""
     return (a + b - 1) // b

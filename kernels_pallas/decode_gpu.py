@@ -22,6 +22,7 @@ from kernels_pallas.common import (
     UnsupportedCase,
     apply_soft_cap,
     cdiv,
+    check_pool_offsets,
     is_power_of_2,
     key_mask,
     next_power_of_2,
@@ -33,9 +34,12 @@ from kernels_pallas.triton_compat import triton_call_kwargs
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # tl.dot needs every operand dimension >= 16.
 _MIN_DOT = 16
-# Enough programs to fill an H100 (132 SMs) about twice over before splitting a row's KV.
-_TARGET_PROGRAMS = 264
-_MAX_SPLITS = 16
+# Flash-decoding splits: one per this many KV blocks of the page-table width, at most _MAX_SPLITS. The count depends on
+# the table's width only (a static engine setting), never on the batch: a row's KV is then divided the same way, and
+# its softmax partials merged in the same order, whatever else is in the batch -- seeded outputs are batch invariant
+# on GPU as on CPU. Each split writes f32 partials, so more splits cost merge traffic at large batch.
+_BLOCKS_PER_SPLIT = 8
+_MAX_SPLITS = 8
 
 
 def check_supported(
@@ -60,6 +64,7 @@ def check_supported(
         raise UnsupportedCase(f"block_kv={block_kv} must be a power of 2 with max(block_kv, page_size) >= 16")
     if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in _SUPPORTED_DTYPES:
         raise UnsupportedCase(f"dtypes q={q.dtype} k={k_pages.dtype} v={v_pages.dtype}")
+    check_pool_offsets(k_pages)
 
 
 def _decode_kernel(
@@ -139,8 +144,9 @@ def _merge_splits(
     return acc_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
 
 
-def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int) -> int:
-    return max(1, min(cdiv(_TARGET_PROGRAMS, batch * num_kv_heads), num_blocks, _MAX_SPLITS))
+def default_num_splits(num_blocks: int) -> int:
+    """Splits for a page table `num_blocks` KV blocks wide (independent of the batch size: see _BLOCKS_PER_SPLIT)."""
+    return max(1, min(num_blocks // _BLOCKS_PER_SPLIT, _MAX_SPLITS))
 
 
 @functools.partial(
@@ -182,7 +188,7 @@ def paged_decode_attention(
     pages_per_seq = page_table.shape[1]
     num_blocks = cdiv(pages_per_seq, pages_per_block)
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, num_blocks)
+        num_splits = default_num_splits(num_blocks)
     num_splits = max(1, min(num_splits, num_blocks))
     # Pad the table so a block's page-id load never runs past the row (padding ids are never used).
     padded_pages = num_blocks * pages_per_block

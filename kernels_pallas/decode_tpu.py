@@ -36,7 +36,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.common import NEG_INF, SMEM_BUDGET_WORDS, UnsupportedCase, apply_soft_cap, cdiv, key_mask
+from kernels_pallas.common import (
+    NEG_INF,
+    SMEM_BUDGET_WORDS,
+    UnsupportedCase,
+    apply_soft_cap,
+    cdiv,
+    check_pool_offsets,
+    key_mask,
+)
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 # Cap on the all-heads logits tile (Hq x page_size * Hkv f32) that the masked-GQA trick materialises.
@@ -45,7 +53,6 @@ _MAX_LOGITS_ELEMS = 1 << 17
 _TARGET_KV_TOKENS = 128
 # VMEM the kernel asks Mosaic for (passed as vmem_limit_bytes): every TPU generation since v4 has >= 16 MiB per core.
 VMEM_LIMIT_BYTES = 16 * 1024 * 1024
-_INT32_MAX = 2**31 - 1
 
 
 def default_pages_per_step(page_size: int, pages_per_seq: int) -> int:
@@ -88,8 +95,7 @@ def check_supported(
         raise UnsupportedCase("all-heads logits tile too large for VMEM")
     if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in _SUPPORTED_DTYPES:
         raise UnsupportedCase(f"dtypes q={q.dtype} k={k_pages.dtype} v={v_pages.dtype}")
-    if num_pages * page_size * num_kv_heads * head_dim > _INT32_MAX:
-        raise UnsupportedCase(f"int32: the KV pool has {num_pages * page_size * num_kv_heads * head_dim} elements")
+    check_pool_offsets(k_pages)
     pps = pages_per_step or default_pages_per_step(page_size, _TARGET_KV_TOKENS)
     if page_table is not None:
         pps = pages_per_step or default_pages_per_step(page_size, page_table.shape[1])

@@ -65,6 +65,7 @@ from kernels_pallas.common import (
     UnsupportedCase,
     apply_soft_cap,
     cdiv,
+    check_pool_offsets,
     is_power_of_2,
     key_mask,
     next_power_of_2,
@@ -83,7 +84,6 @@ _TARGET_Q_ROWS = 128
 _VMEM_BUDGET = 12 * 1024 * 1024
 # The scoped VMEM limit passed to Mosaic (v5e's default is 16 MiB; every generation since v4 has at least that).
 VMEM_LIMIT_BYTES = 16 * 1024 * 1024
-_INT32_MAX = 2**31 - 1
 
 
 def lane_window(head_dim: int, num_kv_heads: int) -> int:
@@ -111,8 +111,7 @@ def check_supported(
         raise UnsupportedCase(f"dtypes q={q.dtype} k={k_pages.dtype} v={v_pages.dtype}")
     if head_dim % _LANES and head_dim != 64:
         raise UnsupportedCase(f"head_dim={head_dim} not a multiple of 128 (or 64)")
-    if num_pages * page_size * num_kv_heads * head_dim > _INT32_MAX:
-        raise UnsupportedCase(f"int32: the KV pool has {num_pages * page_size * num_kv_heads * head_dim} elements")
+    check_pool_offsets(k_pages)
     bq, _ = block_sizes(q, k_pages, None, block_q, pages_per_step)
     if page_table is not None:
         max_seqs, pages_per_seq = page_table.shape
@@ -154,7 +153,7 @@ def block_sizes(
         elif block_q is None and bq > 1:
             bq //= 2
         else:
-            raise UnsupportedCase("query block / KV step buffers exceed the VMEM budget")
+            raise UnsupportedCase(f"VMEM: query block / KV step buffers exceed the {_VMEM_BUDGET}-byte budget")
     return bq, pps
 
 

@@ -38,15 +38,8 @@ def _lower_on(device: AbstractDevice, fn, *avals) -> str:
 
 
 def _lower_for_h100(fn, *avals) -> str:
-    try:
-        return _lower_on(H100, fn, *avals)
-    except Exception as e:  # only tolerated where the jax version needs a GPU to lower
-        if jax.__version_info__ > (0, 10, 2) and not any(d.platform == "gpu" for d in jax.devices()):
-            pytest.skip(
-                f"jax {jax.__version__} compiles Pallas Triton IR to PTX inside the lowering rule, which "
-                f"needs a CUDA jaxlib and GPU toolchain; without a GPU it failed with {type(e).__name__}: {e}"
-            )
-        raise
+    # A failure here is a failure, never a skip: jax is pinned to a version whose Triton lowering needs no GPU.
+    return _lower_on(H100, fn, *avals)
 
 
 def _decode_avals(dtype, head_dim=128, group=4, page_size=16):
