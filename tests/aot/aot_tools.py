@@ -10,6 +10,7 @@ Both toolchains come from the `aot` extra (`bash scripts/install.sh aot` puts th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -157,6 +158,7 @@ def model_step(params, cfg, kv, flat, layout, decode_only: bool, impl: str | Non
     return logits(params, cfg, hidden[0][inp.logits_indices]), kv
 
 
+@functools.lru_cache(maxsize=8)  # a compiled step is checked by more than one test
 def compile_for_tpu(case: StepCase, topology: str, tp: int = 1, whole_step: bool = False) -> str:
     """Compiles the model step (or with `whole_step`, the engine's whole `paged_step`) with libtpu; returns the
     optimized HLO text. Compile errors propagate."""
@@ -168,6 +170,16 @@ def compile_for_tpu(case: StepCase, topology: str, tp: int = 1, whole_step: bool
     fn = paged_step if whole_step else model_step
     with jax.default_device(devices[0]):  # Pallas TPU reads the chip generation from the default device
         return fn.lower(*args).compile().as_text()
+
+
+def copies_of(hlo: str, elements: int) -> list[str]:
+    """The copy instructions of a compiled module whose result has `elements` elements (e.g. a whole KV pool)."""
+    out = []
+    for ln in hlo.splitlines():
+        m = re.match(r"\s*%\S+ = \w+\[([\d,]+)\]\S* copy\(", ln)
+        if m and int(np.prod([int(n) for n in m.group(1).split(",")])) == elements:
+            out.append(ln.strip()[:160])
+    return out
 
 
 def tpu_kernel_calls(hlo: str, kernel: str) -> list[str]:

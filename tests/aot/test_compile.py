@@ -15,6 +15,7 @@ contain the intended Pallas kernel once per layer; a fallback to the jnp referen
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from aot_tools import (
     StepCase,
     compile_for_h100,
     compile_for_tpu,
+    copies_of,
     h100_step_kernels,
     have_libtpu,
     have_triton,
@@ -39,7 +41,7 @@ from aot_tools import (
 from benchmarks.common import SHAPES
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.engine.runner import CacheConfig
-from kernels_pallas import decode_gpu, ragged_tpu
+from kernels_pallas import decode_gpu, decode_tpu
 
 _HOW = "the AOT compilers live in .venv-aot: `bash scripts/install.sh aot && .venv-aot/bin/python -m pytest tests/aot`"
 needs_libtpu = pytest.mark.skipif(not have_libtpu(), reason=f"libtpu missing; {_HOW}")
@@ -62,6 +64,17 @@ MODELS = {
 CACHE = CacheConfig(max_model_len=4096)  # the engine's defaults otherwise: 32 sequences, 256-token mixed steps
 BUCKETS = [pytest.param(True, id="decode"), pytest.param(False, id="mixed")]
 
+# A TPU compile of a step takes 10-60 s of this 2-core machine, so CI compiles every model and both buckets once,
+# over both topologies (SmolLM2 as the whole step on one chip, Qwen3 on one chip, Gemma 3 and Llama 3 on the 2x2
+# mesh); JAXINFER_AOT_FULL=1 compiles every model on both topologies.
+FULL = os.environ.get("JAXINFER_AOT_FULL") == "1"
+CI_TPU = {("v6e:1x1", "qwen3-0.6b"), ("v5e:2x2", "gemma3-270m"), ("v5e:2x2", "llama3-8b")}
+
+
+def _tpu_models(topology: str, models: list[str]) -> list:
+    full_only = pytest.mark.skipif(not FULL, reason="full TPU matrix only: JAXINFER_AOT_FULL=1 (CI runs a subset)")
+    return [pytest.param(m, marks=() if (topology, m) in CI_TPU else full_only) for m in models]
+
 
 def _case(model: str, decode_only: bool, hbm_bytes: int, num_devices: int) -> StepCase:
     full = ModelConfig(**MODELS[model], dtype="bfloat16")
@@ -76,7 +89,7 @@ def _case(model: str, decode_only: bool, hbm_bytes: int, num_devices: int) -> St
 
 @needs_libtpu
 @pytest.mark.parametrize("decode_only", BUCKETS)
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", _tpu_models("v6e:1x1", list(MODELS)))
 def test_tpu_single_chip_compiles_the_kernel(model, decode_only):
     case = _case(model, decode_only, TPU_TOPOLOGIES["v6e:1x1"]["hbm_bytes"], 1)
     hlo = compile_for_tpu(case, "v6e:1x1")
@@ -87,7 +100,7 @@ def test_tpu_single_chip_compiles_the_kernel(model, decode_only):
 # SmolLM2's 9 query heads do not split 4 ways: it runs on one chip (above).
 @needs_libtpu
 @pytest.mark.parametrize("decode_only", BUCKETS)
-@pytest.mark.parametrize("model", ["gemma3-270m", "qwen3-0.6b", "llama3-8b"])
+@pytest.mark.parametrize("model", _tpu_models("v5e:2x2", ["gemma3-270m", "qwen3-0.6b", "llama3-8b"]))
 def test_tpu_2x2_tensor_parallel_compiles_the_kernel(model, decode_only):
     # The engine's mesh (make_mesh(tp=4)) over a v5e 2x2 slice: attention runs per shard under shard_map.
     case = _case(model, decode_only, TPU_TOPOLOGIES["v5e:2x2"]["hbm_bytes"], 4)
@@ -106,16 +119,30 @@ def test_tpu_whole_paged_step_compiles(decode_only):
 
 
 @needs_libtpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: the [pages, page, Hkv, D] pool is relaid out for the TPU kernels' views on every step "
+    "(pool-sized copies); the fix is a pool stored in the kernels' layout",
+)
+def test_tpu_decode_step_copies_no_kv_pool():
+    case = _case("smollm2-135m", True, TPU_TOPOLOGIES["v5e:1x1"]["hbm_bytes"], 1)
+    hlo = compile_for_tpu(case, "v5e:1x1", whole_step=True)  # the compile test_tpu_whole_paged_step_compiles made
+    cfg = case.cfg
+    copies = copies_of(hlo, case.num_pages * case.cc.page_size * cfg.num_kv_heads * cfg.head_dim)
+    assert not copies, f"{len(copies)} pool-sized copies per step, e.g. {copies[:2]}"
+
+
+@needs_libtpu
 def test_tpu_oversized_kernel_fails_the_vmem_check(monkeypatch):
-    """Proof that the check can fail: with the static VMEM guard lifted, an oversized KV step (whole pages of 8
-    KV heads x 256, 64 pages per step) is rejected by the real compiler for VMEM."""
-    monkeypatch.setattr(ragged_tpu, "_VMEM_BUDGET", 1 << 40)
+    """Proof that the check can fail: with the static VMEM guard lifted, a decode step of 40 f32 pages of 8 KV heads
+    x 256 (20 MiB of double-buffered K/V) is rejected by the real compiler against the 16 MiB VMEM limit."""
+    monkeypatch.setattr(decode_tpu, "vmem_bytes", lambda *args: 0)
     dev = tpu_devices("v5e:1x1")[0]
     sh = jax.sharding.SingleDeviceSharding(dev)
-    av = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
-    args = (av((256, 32, 256)), av((4096, 16, 8, 256)), av((4096, 16, 8, 256)), av((32, 256), jnp.int32),
-            av((32,), jnp.int32), av((33,), jnp.int32), av((), jnp.int32))  # fmt: skip
-    fn = functools.partial(ragged_tpu.ragged_paged_attention, scale=0.1, block_q=64, pages_per_step=64)
+    av = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    args = (av((8, 8, 256)), av((1024, 16, 8, 256)), av((1024, 16, 8, 256)), av((8, 40), jnp.int32),
+            av((8,), jnp.int32))  # fmt: skip
+    fn = functools.partial(decode_tpu.paged_decode_attention, scale=0.1, pages_per_step=40)
     with jax.default_device(dev), pytest.raises(Exception, match="(?i)vmem"):
         jax.jit(fn).lower(*args).compile()
 
