@@ -13,9 +13,10 @@ import jax.numpy as jnp
 # weight everywhere; the online softmax below guards the -inf - -inf case explicitly.
 NEG_INF = float("-inf")
 
-# 32-bit words the TPU kernels may scalar-prefetch into SMEM (page table, lengths, block schedule). SMEM is small
-# and also holds the compiler's own scalars, so the tables get a conservative share of it; a bigger case falls back.
-SMEM_BUDGET_WORDS = 1 << 16
+# 32-bit words the TPU kernels may scalar-prefetch into SMEM (page table, lengths, block schedule): half of v5e's
+# 1 MiB SMEM, which also holds the compiler's own scalars. Measured with libtpu (tests/aot): a 131,072-word page table
+# compiles, 262,144 words exceed SMEM. A bigger case falls back.
+SMEM_BUDGET_WORDS = 1 << 17
 
 
 class UnsupportedCase(NotImplementedError):

@@ -170,3 +170,15 @@ def test_server_flags_default_to_auto():
     assert (args.dtype, args.kv_cache_dtype, args.device) == ("auto", "auto", None)
     args = parse_args(["--dtype", "bfloat16", "--kv-cache-dtype", "float32", "--device", "tpu"])
     assert (args.dtype, args.kv_cache_dtype, args.device) == ("bfloat16", "float32", "tpu")
+
+
+def test_startup_attention_line_names_kernels_and_reasons():
+    from jaxinfer.device import describe_attention
+
+    # The default model's layout (9 query / 3 KV heads of 64) takes both TPU kernels at the engine's defaults.
+    line = describe_attention(9, 3, 64, "bfloat16", 20000, 16, 32, 256, "pallas_tpu", 256)
+    assert line == "attention: decode pallas_tpu | mixed pallas_tpu"
+    # 512 sequences of 32k tokens: the page table no longer fits SMEM, and the line says so.
+    line = describe_attention(9, 3, 64, "bfloat16", 20000, 16, 512, 1024, "pallas_tpu", 2048)
+    assert line.startswith("attention: decode reference; pallas_tpu declined: SMEM")
+    assert "mixed reference; pallas_tpu declined: SMEM" in line

@@ -33,6 +33,11 @@ from jaxinfer.sampling import build_sampling_tensors
 from jaxinfer.sharding import KV_POOL_AXES, make_mesh, sharded_config, spec, tree_shardings
 from jaxinfer.step import pack
 
+# No TPU is attached here: let several processes load libtpu at once (its lockfile otherwise fails the second one, e.g.
+# two CI runs on one machine), and skip the cloud metadata queries a TPU VM would answer.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
 # H100 SXM: 227 KiB of shared memory per block (opt-in maximum), 255 registers per thread.
 H100_MAX_SHARED_BYTES = 232_448
 H100_MAX_REGISTERS = 255

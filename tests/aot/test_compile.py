@@ -147,6 +147,29 @@ def test_tpu_oversized_kernel_fails_the_vmem_check(monkeypatch):
         jax.jit(fn).lower(*args).compile()
 
 
+@needs_libtpu
+def test_tpu_smem_budget_fits_and_twice_it_does_not(monkeypatch):
+    """The static SMEM budget compiles at its limit, and (with the guard lifted) twice the budget is rejected by the
+    real compiler for SMEM: the guard's number is the hardware's, halved."""
+    dev = tpu_devices("v5e:1x1")[0]
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    av = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    fn = jax.jit(functools.partial(decode_tpu.paged_decode_attention, scale=0.1))
+    kv = av((4096, 16, 2, 128))
+
+    def args(rows, width):
+        return av((rows, 8, 128)), kv, kv, av((rows, width), jnp.int32), av((rows,), jnp.int32)
+
+    rows = 64
+    width = (decode_tpu.SMEM_BUDGET_WORDS - rows) // rows
+    decode_tpu.check_supported(*args(rows, width)[:4])  # within the budget
+    with jax.default_device(dev):
+        fn.lower(*args(rows, width)).compile()
+        monkeypatch.setattr(decode_tpu, "SMEM_BUDGET_WORDS", 1 << 40)
+        with pytest.raises(Exception, match="(?i)smem"):
+            fn.lower(*args(rows, 2 * width + 2)).compile()
+
+
 # ---------------------------------------------------------------------------------------------- H100
 
 
