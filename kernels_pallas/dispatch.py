@@ -50,6 +50,12 @@ def gpu_block_kv(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
+def gpu_ragged_warps(head_dim: int) -> int:
+    # The ragged kernel's f32 accumulator is (block_q * G_pad) x head_dim = 64 x D: at D = 256 four warps need more
+    # than 255 registers a thread and spill (ptxas, sm_90a; tests/aot); eight fit in 217.
+    return 8 if head_dim >= 256 else 4
+
+
 def _decode_gpu(interpret: bool) -> _Candidate:
     def check(q, k_pages, v_pages, page_table=None):
         decode_gpu.check_supported(q, k_pages, v_pages, gpu_block_kv(q.shape[-1]))
@@ -76,10 +82,11 @@ def _ragged_gpu(interpret: bool) -> _Candidate:
         ragged_gpu.check_supported(q, k_pages, v_pages, block_q, gpu_block_kv(q.shape[-1]))
 
     def run(q, k_pages, v_pages, *tables, **kw):
-        block_kv = gpu_block_kv(q.shape[-1])
+        head_dim = q.shape[-1]
         return ragged_gpu.ragged_paged_attention(
-            q, k_pages, v_pages, *tables, block_kv=block_kv, interpret=interpret, **kw
-        )
+            q, k_pages, v_pages, *tables, block_kv=gpu_block_kv(head_dim), num_warps=gpu_ragged_warps(head_dim),
+            interpret=interpret, **kw,
+        )  # fmt: skip
 
     return _Candidate("pallas_gpu_interpret" if interpret else "pallas_gpu", check, run)
 

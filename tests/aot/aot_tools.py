@@ -9,7 +9,6 @@ Both toolchains come from the `aot` extra (`bash scripts/install.sh aot` puts th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import re
@@ -19,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import jax
 import numpy as np
@@ -263,36 +263,29 @@ def compile_for_h100(kernel: TritonKernel) -> CubinReport:
 
     with tempfile.TemporaryDirectory() as tmp:
         env = {"TRITON_CACHE_DIR": str(Path(tmp) / "cache"), "TRITON_DEFAULT_FP_FUSION": "1"}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            src = Path(tmp) / f"{kernel.name}.ttir"
-            src.write_text(kernel.ttir)
+        src = Path(tmp) / f"{kernel.name}.ttir"
+        src.write_text(kernel.ttir)
+        with mock.patch.dict(os.environ, env):
             compiled = triton.compile(
                 str(src), target=GPUTarget("cuda", 90, 32),
                 options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
             )  # fmt: skip
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        res = _cuobjdump_resources(cubin)
-    return dataclasses.replace(res, name=kernel.name, shared_bytes=int(compiled.metadata.shared))
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        regs, spill_st, spill_ld = _ptxas_resources(ptx)
+    return CubinReport(kernel.name, int(compiled.metadata.shared), regs, spill_st, spill_ld)
 
 
-def _cuobjdump_resources(cubin: Path) -> CubinReport:
-    import triton
+def _ptxas_resources(ptx: Path) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) as the bundled ptxas reports them for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"  # bundled with triton
-    out = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", out)
-    if m is None:
-        raise AssertionError(f"unexpected cuobjdump output: {out}")
-    spill_st = re.search(r"spill stores?\D*(\d+)", out)
-    spill_ld = re.search(r"spill loads?\D*(\d+)", out)
-    return CubinReport("", 0, int(m.group(1)), int(spill_st.group(1)) if spill_st else 0,
-                       int(spill_ld.group(1)) if spill_ld else 0)  # fmt: skip
+    ptxas = get_ptxas(90).path  # the ptxas triton itself picked (the bundled one that reads its PTX version)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True,
+                       text=True, check=True)  # fmt: skip
+    out = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    if regs is None or spills is None:
+        raise AssertionError(f"unexpected ptxas -v output: {out}")
+    return int(regs.group(1)), int(spills.group(1)), int(spills.group(2))
