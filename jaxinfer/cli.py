@@ -105,14 +105,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_serve)
 
 
-def _serve(ns: argparse.Namespace, rest: list[str]) -> int:
+def server_args(rest: list[str]) -> ServerArgs:
+    """`jaxinfer serve` arguments (after `serve`) as ServerArgs, through the server's own parser and checks."""
+    ns = make_cli_parser().parse_args(["serve", *rest])
     if ns.model_tag is not None:
         if rest[:1] != [ns.model_tag]:
             raise SystemExit(f"{PROG} serve: give MODEL right after `serve` ({ns.model_tag!r} came later)")
         if "--model" in rest:
             raise SystemExit(f"{PROG} serve: give the model either as MODEL or as --model, not both")
         rest = ["--model", ns.model_tag, *rest[1:]]
-    return run_server(parse_args(rest))
+    return parse_args(rest)
+
+
+def _serve(ns: argparse.Namespace, rest: list[str]) -> int:
+    return run_server(server_args(rest))
 
 
 # ---------------------------------------------------------------------------------------------- generate

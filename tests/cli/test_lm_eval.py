@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lm_eval
 import pytest
 
 from tests.cli.conftest import MODEL_NAME
 from tests.server.conftest import API_KEY
 from tests.server.test_echo_logprobs import SETTINGS
-
-lm_eval = pytest.importorskip("lm_eval")  # the `test` extra installs it; a bare install has no lm-eval
 
 DATA = Path(__file__).parent / "data" / "tiny_tasks.jsonl"
 BASE = {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(DATA)}}, "test_split": "test"}
