@@ -1,8 +1,11 @@
 """The notebooks run, top to bottom, on CPU: every cell of notebooks/*.ipynb executes without an error.
 
 All notebooks run in ONE kernel, one after the other, each after `%reset -f` (so none can lean on another's
-variables): jax starts once and the compiled steps of the shared small settings are reused, which keeps the CI
-time to about a minute. Their one-cell install does nothing here (jaxinfer is importable from the checkout).
+variables): jax starts once and compiled steps are reused. The model is a tiny random-weight Llama with SmolLM2's
+tokenizer (`JAXINFER_NOTEBOOK_MODEL`, which every notebook reads): with the real model the four notebooks take
+about 5.5 minutes on a 2-core machine, with this one well under a minute; run them by hand (or with this test and
+the variable unset: `JAXINFER_NOTEBOOK_MODEL= pytest tests/notebooks`) to see real text. Their one-cell install
+does nothing here (jaxinfer is importable from the checkout).
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ def test_committed_without_outputs_and_opens_with_the_install(name: str):
     assert "pip" in code[0].source and "install" in code[0].source.lower(), "the first code cell installs"
 
 
-def test_notebooks_execute_on_cpu(monkeypatch):
+def test_notebooks_execute_on_cpu(monkeypatch, tmp_path):
+    if os.environ.get("JAXINFER_NOTEBOOK_MODEL") is None:
+        from tests.server.test_echo_logprobs import _write_tiny_model
+
+        _write_tiny_model(tmp_path / "tiny")
+        monkeypatch.setenv("JAXINFER_NOTEBOOK_MODEL", str(tmp_path / "tiny"))
+    elif not os.environ["JAXINFER_NOTEBOOK_MODEL"]:
+        monkeypatch.delenv("JAXINFER_NOTEBOOK_MODEL")  # empty: the notebooks' own default model
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
