@@ -129,6 +129,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 4096)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--num-kv-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="share of free memory for the KV pool")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices each replica spans")
@@ -167,8 +168,8 @@ def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
     sp = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed)
     with LLM(
         ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-        num_kv_tokens=ns.num_kv_tokens, gpu_memory_utilization=ns.gpu_memory_utilization,
-        tensor_parallel_size=ns.tensor_parallel_size,
+        max_num_batched_tokens=ns.max_num_batched_tokens, num_kv_tokens=ns.num_kv_tokens,
+        gpu_memory_utilization=ns.gpu_memory_utilization, tensor_parallel_size=ns.tensor_parallel_size,
     ) as llm:  # fmt: skip
         chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
         if chat:

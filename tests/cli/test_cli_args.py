@@ -54,3 +54,32 @@ def test_env_reports_backend_and_versions():
     info = json.loads(out.stdout)
     assert info["backend"] == "cpu" and info["devices"][0]["platform"] == "cpu"
     assert {"jax", "jaxlib", "jaxinfer"} <= set(info["packages"])
+
+
+def test_generate_prints_what_llm_generates(tiny_model, capsys):
+    from jaxinfer import LLM, SamplingParams
+    from tests.server.test_echo_logprobs import SETTINGS
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
+    prompts = ["Hello there", "The capital of France is"]
+    assert main(["generate", "--model", tiny_model, "--no-chat", "--max-tokens", "6", *flags,
+                 *(a for p in prompts for a in ("--prompt", p))]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    with LLM(tiny_model, **SETTINGS) as llm:
+        refs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert printed == "".join(f"### {p}\n{r.outputs[0].text}\n\n" for p, r in zip(prompts, refs, strict=True))
+
+
+def test_complete_quick_streams_the_servers_completion(live_server):
+    import httpx
+
+    from tests.cli.conftest import MODEL_NAME
+    from tests.server.conftest import API_KEY
+
+    prompt = "Once upon a time"
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    ref = httpx.post(f"{live_server.url}/v1/completions", json=body, headers=live_server.headers, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "complete", "--url", f"{live_server.url}/v1",
+                          "--api-key", API_KEY, "--max-tokens", "8", "-q", prompt], env=REPO_ENV, capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    assert out.stdout == ref.json()["choices"][0]["text"] + "\n"
