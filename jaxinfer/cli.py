@@ -101,7 +101,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         " until the model is loaded and every step bucket is compiled, then 200.",
         usage="jaxinfer serve [MODEL] [options]",
     )
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model, given first")
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model, given first (default: --model's)"
+    )
     p.set_defaults(run=_serve)
 
 
@@ -187,6 +189,10 @@ def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------- chat / complete
 
 
+class ServerError(RuntimeError):
+    """The server could not be reached or refused a request (the message says which and why)."""
+
+
 class ServerClient:
     """The little of the OpenAI API that chat and complete need, over urllib (no client library required)."""
 
@@ -202,9 +208,9 @@ class ServerClient:
         try:
             return urllib.request.urlopen(req, timeout=600)
         except urllib.error.HTTPError as e:
-            raise SystemExit(f"{PROG}: {self.url}{path} answered {e.code}: {e.read().decode(errors='replace')}") from e
+            raise ServerError(f"{self.url}{path} answered {e.code}: {e.read().decode(errors='replace')}") from e
         except urllib.error.URLError as e:
-            raise SystemExit(f"{PROG}: cannot reach {self.url} ({e.reason}); is `jaxinfer serve` running?") from e
+            raise ServerError(f"cannot reach {self.url} ({e.reason}); is `jaxinfer serve` running?") from e
 
     def first_model(self) -> str:
         with self._open("/models") as r:
@@ -222,7 +228,7 @@ class ServerClient:
                     return
                 event = json.loads(payload)
                 if "error" in event:
-                    raise SystemExit(f"{PROG}: the server failed the request: {event['error'].get('message')}")
+                    raise ServerError(f"the server failed the request: {event['error'].get('message')}")
                 for choice in event.get("choices", []):
                     text = delta(choice)
                     if text:
@@ -305,10 +311,16 @@ def _chat(ns: argparse.Namespace, rest: list[str]) -> int:
             history = list(system)
             print("(history cleared)")
             continue
-        history.append({"role": "user", "content": line})
-        body = {**_sampling_body(ns, model), "messages": history}
-        answer = _print_stream(client.stream("/chat/completions", body, lambda c: c.get("delta", {}).get("content")))
-        history.append({"role": "assistant", "content": answer})
+        body = {**_sampling_body(ns, model), "messages": [*history, {"role": "user", "content": line}]}
+        try:
+            deltas = client.stream("/chat/completions", body, lambda c: c.get("delta", {}).get("content"))
+            answer = _print_stream(deltas)
+        except ServerError as e:
+            if ns.quick is not None:
+                raise
+            print(f"\n[error: {e}] (the message was not added to the history)", file=sys.stderr)
+            continue
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
     return 0
 
 
@@ -317,7 +329,12 @@ def _complete(ns: argparse.Namespace, rest: list[str]) -> int:
     model = ns.model_name or client.first_model()
     for prompt in _prompts(ns.quick):
         body = {**_sampling_body(ns, model), "prompt": prompt}
-        _print_stream(client.stream("/completions", body, lambda c: c.get("text")))
+        try:
+            _print_stream(client.stream("/completions", body, lambda c: c.get("text")))
+        except ServerError as e:
+            if ns.quick is not None:
+                raise
+            print(f"\n[error: {e}]", file=sys.stderr)
     return 0
 
 
@@ -458,7 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ns.run(ns, argv[2:])
     ns = parser.parse_args(argv)
     rest = argv[1:] if ns.command == "serve" else []
-    return ns.run(ns, rest)
+    try:
+        return ns.run(ns, rest)
+    except ServerError as e:
+        print(f"{PROG} {ns.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

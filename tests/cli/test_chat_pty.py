@@ -100,3 +100,14 @@ def test_chat_streams_keeps_history_and_resets(chat, live_server):
     chat.expect_exact("> ")
     answer, _ = _answer(chat, TURNS[1])
     assert answer == without_history
+
+
+def test_chat_survives_a_refused_message(chat, live_server):
+    # Longer than the server's context: a 400. The session goes on and the message is not kept in the history.
+    chat.sendline("word " * 200)
+    chat.expect_exact("[error: ")
+    chat.expect_exact("> ")
+    answer, _ = _answer(chat, TURNS[0])
+    assert answer == _reference(
+        live_server, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
+    )
