@@ -110,7 +110,11 @@ class LLM:
         self.engine, self.tokenizer = build_engine(model, **settings)
         self.processor = OutputProcessor(self.tokenizer)
         self._counter = 0
-        self.warmup_seconds = sum(e.runner.warmup() for e in self._replicas()) if warmup else None
+        self.warmup_seconds = None
+        if warmup:
+            from jaxinfer.startup import warm_up
+
+            self.warmup_seconds = warm_up(self.engine).seconds
 
     def _replicas(self) -> list[Engine]:
         return getattr(self.engine, "replicas", [self.engine])

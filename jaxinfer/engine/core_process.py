@@ -195,11 +195,16 @@ def run_core(args: dict, commands_addr: str, results_addr: str, parent_pid: int,
 def _build(args: dict) -> tuple[Any, Any]:
     from jaxinfer.server.args import ServerArgs
     from jaxinfer.server.loader import build_engine
+    from jaxinfer.startup import seconds_since_start, summary, warm_up
 
+    t0 = time.perf_counter()
     engine, tokenizer = build_engine(ServerArgs(**args))
+    load_s = time.perf_counter() - t0
     # Compile every step shape now, so that no request waits for a compilation.
-    warm = sum(e.runner.warmup() for e in getattr(engine, "replicas", [engine]))
-    log.info("compiled steps warmed up in %.1fs", warm)
+    warm = warm_up(engine)
+    log.info("compiled steps warmed up in %.1fs", warm.seconds)
+    # Time to ready counts from the API server's start (our parent), as the user sees it.
+    log.info("%s", summary(engine, args["model"], load_s, warm, seconds_since_start(os.getppid())))
     return engine, tokenizer
 
 

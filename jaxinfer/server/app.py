@@ -18,6 +18,7 @@ from jaxinfer.server.errors import APIError, install_handlers
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.state import Loader, ServerState
 from jaxinfer.server.tokenize import detokenize, tokenize
+from jaxinfer.server.tokenizer_info import router as tokenizer_info_router
 
 
 def _context(request: Request) -> ServingContext:
@@ -111,4 +112,5 @@ def build_app(args: ServerArgs, loader: Loader | None = None) -> FastAPI:
     install_handlers(app, on_error=lambda status: ctx.metrics.http_errors.labels(str(status)).inc())
     app.include_router(_open_routes())
     app.include_router(_api_routes())
+    app.include_router(tokenizer_info_router(), dependencies=[Depends(_require_api_key)])
     return app

@@ -13,6 +13,7 @@ from typing import Any
 import gguf
 import numpy as np
 from jax.sharding import Mesh
+from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig, from_gguf_metadata
 from jaxinfer.model.transformer import Params
@@ -82,12 +83,14 @@ def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None
     cfg = from_gguf_metadata(meta, dtype=dtype)
     cfg = cfg.replace(tie_word_embeddings="output.weight" not in tensors)
     llama_permuted = meta.get("general.architecture") == "llama"
+    bar = tqdm(total=len(tensors), desc=f"Converting {Path(path).name}", unit="tensor", disable=None)
 
     def get(hf: str) -> np.ndarray | None:
         name = _gguf_name(cfg, hf)
         t = tensors.get(name)
         if t is None:
             return None
+        bar.update(1)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape(tuple(reversed([int(n) for n in t.shape])))
         if llama_permuted and name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -98,4 +101,5 @@ def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None
             w = w - cfg.norm_offset
         return w
 
-    return build_on_mesh(cfg, get, dtype, mesh)
+    with bar:
+        return build_on_mesh(cfg, get, dtype, mesh)

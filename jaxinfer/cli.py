@@ -1,0 +1,486 @@
+"""The `jaxinfer` command, on the model of vLLM's CLI:
+
+    jaxinfer serve [MODEL] [flags]        the OpenAI-compatible server (what `python serve.py` runs)
+    jaxinfer generate --prompt TEXT ...   offline batch generation with the paged engine
+    jaxinfer chat [--url URL]             interactive, streaming chat against a running server
+    jaxinfer complete [--url URL]         interactive, streaming completions against a running server
+    jaxinfer bench {offline,serving,latency} ...   the benchmarks in benchmarks/ (a source checkout)
+    jaxinfer convert SRC DST              write a model as an orbax checkpoint
+    jaxinfer env                          versions, backend and devices, for bug reports
+
+`jaxinfer SUBCOMMAND --help` lists every flag with its default. Imports of jax live inside the subcommands, so
+`--help`, `chat` and `complete` start at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import platform
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from jaxinfer.model_files import DEFAULT_MODEL
+from jaxinfer.server.args import ServerArgs, make_parser, parse_args
+
+PROG = "jaxinfer"
+DEFAULT_URL = "http://localhost:8000/v1"
+BENCHMARKS = {
+    "offline": ("benchmarks.bench_offline", "offline throughput against the references"),
+    "serving": ("benchmarks.bench_serving", "online serving: request rate, TTFT, ITL against the references"),
+    "latency": ("benchmarks.bench_latency", "one batch's prefill and decode latency against the roofline"),
+}
+# Flags the server's parser leaves without a help text: said here, so that --help explains every flag.
+_MISSING_HELP = {
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "dtype": "dtype of the weights and the KV cache",
+    "enable_prefix_caching": "turn the prefix cache off (it is on by default)",
+    "log_level": "logging level",
+}
+
+
+class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends `(default: X)` to every flag's help unless the help already speaks of its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS:
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)".strip()
+        return text
+
+
+def _fill_missing_help(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if not action.help and action.dest != "help":
+            action.help = _MISSING_HELP.get(action.dest, action.dest.replace("_", " "))
+
+
+# ---------------------------------------------------------------------------------------------- serve
+
+
+def run_server(args: ServerArgs) -> int:
+    """What `python serve.py` and `jaxinfer serve` run: the HTTP server, the model loading behind it."""
+    from jaxinfer.server.app import build_app
+    from jaxinfer.server.http import serve
+    from jaxinfer.server.loader import build_engine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every restore step at info
+    if args.num_processes > 1 or args.coordinator_address:
+        from jaxinfer import distributed
+
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if not distributed.is_lead():
+            # A follower serves no HTTP: it loads its shards and runs every step the lead announces.
+            engine, _ = build_engine(args)
+            distributed.follow(engine.runner)
+            return 0
+    return serve(build_app(args), args)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    server = make_parser()
+    _fill_missing_help(server)
+    p = sub.add_parser(
+        "serve",
+        parents=[server],
+        add_help=False,  # the server's parser brings -h
+        formatter_class=DefaultsFormatter,
+        help="serve a model with the OpenAI-compatible API",
+        description="OpenAI-compatible HTTP server. `jaxinfer serve MODEL` is `--model MODEL`; /health answers 503"
+        " until the model is loaded and every step bucket is compiled, then 200.",
+        usage="jaxinfer serve [MODEL] [options]",
+    )
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model, given first (default: --model's)"
+    )
+    p.set_defaults(run=_serve)
+
+
+def server_args(rest: list[str]) -> ServerArgs:
+    """`jaxinfer serve` arguments (after `serve`) as ServerArgs, through the server's own parser and checks."""
+    ns = make_cli_parser().parse_args(["serve", *rest])
+    if ns.model_tag is not None:
+        if rest[:1] != [ns.model_tag]:
+            raise SystemExit(f"{PROG} serve: give MODEL right after `serve` ({ns.model_tag!r} came later)")
+        if "--model" in rest:
+            raise SystemExit(f"{PROG} serve: give the model either as MODEL or as --model, not both")
+        rest = ["--model", ns.model_tag, *rest[1:]]
+    return parse_args(rest)
+
+
+def _serve(ns: argparse.Namespace, rest: list[str]) -> int:
+    return run_server(server_args(rest))
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name, .gguf file, HF directory or checkpoint")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--num-kv-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="share of free memory for the KV pool")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices each replica spans")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        formatter_class=DefaultsFormatter,
+        help="generate offline for a batch of prompts",
+        description="Offline batch generation with the `LLM` API (paged engine, continuous batching).",
+    )
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat the flag for a batch")
+    p.add_argument("--n", type=int, default=1, help="answers per prompt")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send each prompt as a user message through the chat template (default: when the model has one)",
+    )
+    _add_sampling_flags(p, max_tokens=64)
+    _add_engine_flags(p)
+    p.set_defaults(run=_generate)
+
+
+def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
+    from jaxinfer import LLM, SamplingParams
+
+    sp = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed)
+    with LLM(
+        ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens, num_kv_tokens=ns.num_kv_tokens,
+        gpu_memory_utilization=ns.gpu_memory_utilization, tensor_parallel_size=ns.tensor_parallel_size,
+    ) as llm:  # fmt: skip
+        chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
+        if chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], sp)
+        else:
+            outs = llm.generate(ns.prompt, sp)
+    for prompt, out in zip(ns.prompt, outs, strict=True):
+        print(f"### {prompt}")
+        for c in out.outputs:
+            print(c.text)
+        print()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- chat / complete
+
+
+class ServerError(RuntimeError):
+    """The server could not be reached or refused a request (the message says which and why)."""
+
+
+class ServerClient:
+    """The little of the OpenAI API that chat and complete need, over urllib (no client library required)."""
+
+    def __init__(self, url: str, api_key: str | None):
+        self.url = url.rstrip("/")
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def _open(self, path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers=self.headers)
+        try:
+            return urllib.request.urlopen(req, timeout=600)
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{self.url}{path} answered {e.code}: {e.read().decode(errors='replace')}") from e
+        except urllib.error.URLError as e:
+            raise ServerError(f"cannot reach {self.url} ({e.reason}); is `jaxinfer serve` running?") from e
+
+    def first_model(self) -> str:
+        with self._open("/models") as r:
+            return json.load(r)["data"][0]["id"]
+
+    def stream(self, path: str, body: dict, delta: Callable[[dict], str]) -> Iterator[str]:
+        """POSTs with stream=True and yields each text delta as it arrives (server-sent events)."""
+        with self._open(path, {**body, "stream": True}) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[len("data:") :].strip()
+                if payload == "[DONE]":
+                    return
+                event = json.loads(payload)
+                if "error" in event:
+                    raise ServerError(f"the server failed the request: {event['error'].get('message')}")
+                for choice in event.get("choices", []):
+                    text = delta(choice)
+                    if text:
+                        yield text
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=DEFAULT_URL, help="the server's OpenAI API base URL")
+    p.add_argument("--model-name", default=None, help="model to ask for (default: the server's first model)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="(default: $OPENAI_API_KEY)")
+    p.add_argument("-q", "--quick", metavar="MESSAGE", default=None, help="send one message, print the answer, exit")
+    _add_sampling_flags(p, max_tokens=256)
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        formatter_class=DefaultsFormatter,
+        help="chat with a running server, streaming",
+        description="Interactive chat against a running server. The conversation is kept and sent with every turn;"
+        " type /reset to start over (the system prompt stays), /exit or Ctrl-D to leave.",
+    )
+    p.add_argument("--system-prompt", default=None, help="a system message that opens the conversation")
+    _add_client_flags(p)
+    p.set_defaults(run=_chat)
+
+
+def _add_complete(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "complete",
+        formatter_class=DefaultsFormatter,
+        help="complete prompts with a running server, streaming",
+        description="Interactive completions against a running server: each line you type is a prompt.",
+    )
+    _add_client_flags(p)
+    p.set_defaults(run=_complete)
+
+
+def _sampling_body(ns: argparse.Namespace, model: str) -> dict:
+    body = {"model": model, "max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
+    return body if ns.seed is None else {**body, "seed": ns.seed}
+
+
+def _print_stream(pieces: Iterator[str]) -> str:
+    text = []
+    for piece in pieces:
+        text.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()  # one write per token: the user sees the answer as it is generated
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(text)
+
+
+def _prompts(quick: str | None) -> Iterator[str]:
+    if quick is not None:
+        yield quick
+        return
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip():
+            yield line
+
+
+def _chat(ns: argparse.Namespace, rest: list[str]) -> int:
+    client = ServerClient(ns.url, ns.api_key)
+    model = ns.model_name or client.first_model()
+    system = [{"role": "system", "content": ns.system_prompt}] if ns.system_prompt else []
+    history = list(system)
+    if ns.quick is None:
+        print(f"Chatting with {model} at {ns.url}. /reset starts over, /exit or Ctrl-D leaves.")
+    for line in _prompts(ns.quick):
+        if line.strip() == "/reset":
+            history = list(system)
+            print("(history cleared)")
+            continue
+        body = {**_sampling_body(ns, model), "messages": [*history, {"role": "user", "content": line}]}
+        try:
+            deltas = client.stream("/chat/completions", body, lambda c: c.get("delta", {}).get("content"))
+            answer = _print_stream(deltas)
+        except ServerError as e:
+            if ns.quick is not None:
+                raise
+            print(f"\n[error: {e}] (the message was not added to the history)", file=sys.stderr)
+            continue
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
+    return 0
+
+
+def _complete(ns: argparse.Namespace, rest: list[str]) -> int:
+    client = ServerClient(ns.url, ns.api_key)
+    model = ns.model_name or client.first_model()
+    for prompt in _prompts(ns.quick):
+        body = {**_sampling_body(ns, model), "prompt": prompt}
+        try:
+            _print_stream(client.stream("/completions", body, lambda c: c.get("text")))
+        except ServerError as e:
+            if ns.quick is not None:
+                raise
+            print(f"\n[error: {e}]", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- bench / convert
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        formatter_class=DefaultsFormatter,
+        help="run a benchmark (from a source checkout)",
+        description="Runs a script of benchmarks/ with the flags that follow; `jaxinfer bench KIND --help` lists"
+        " them. The benchmarks live in the repository, not in the installed package: run from a checkout.",
+    )
+    p.add_argument("kind", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHMARKS.items()))
+    p.set_defaults(run=_bench, passthrough=True)
+
+
+def _bench(ns: argparse.Namespace, rest: list[str]) -> int:
+    module = BENCHMARKS[ns.kind][0]
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "benchmarks").is_dir() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name not in ("benchmarks", module):
+            raise
+        raise SystemExit(f"{PROG} bench: {module} not found; run from a jaxinfer source checkout") from e
+    return int(mod.main(rest) or 0)
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        formatter_class=DefaultsFormatter,
+        help="convert a model (GGUF, HF directory, preset) to an orbax checkpoint",
+        description="Writes SRC as an orbax checkpoint that --model DST then restores without converting.",
+    )
+    p.add_argument("src", help="preset name, GGUF file or HF directory")
+    p.add_argument("dst", help="output checkpoint directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="stored dtype")
+    p.set_defaults(run=_convert)
+
+
+def _convert(ns: argparse.Namespace, rest: list[str]) -> int:
+    from jaxinfer.weights.convert import main as convert_main
+
+    return convert_main([ns.src, ns.dst, "--dtype", ns.dtype])
+
+
+# ---------------------------------------------------------------------------------------------- env
+
+
+ENV_PACKAGES = (
+    "jaxinfer", "jax", "jaxlib", "flax", "orbax-checkpoint", "numpy", "tokenizers", "gguf", "fastapi", "uvicorn",
+    "pyzmq", "torch", "transformers", "libtpu", "jax-cuda12-plugin", "jax-cuda13-plugin",
+)  # fmt: skip
+
+
+def collect_env() -> dict:
+    """What a bug report needs: versions, the backend and its devices, and the settings that change behaviour."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    info: dict = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": {name: v for name in ENV_PACKAGES if (v := ver(name)) is not None},
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("JAX", "XLA", "CUDA_VISIBLE", "TPU"))},
+    }
+    try:
+        import jax
+
+        info["backend"] = jax.default_backend()
+        info["process_count"] = jax.process_count()
+        info["devices"] = [
+            {"id": d.id, "kind": d.device_kind, "platform": d.platform, "memory_bytes": (d.memory_stats() or {}).get(
+                "bytes_limit")}
+            for d in jax.devices()
+        ]  # fmt: skip
+    except RuntimeError as e:  # no backend could start: that is what the report must say
+        info["backend_error"] = str(e)
+    return info
+
+
+def _add_env(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "env",
+        formatter_class=DefaultsFormatter,
+        help="print versions, backend and devices (for bug reports)",
+        description="Prints what a bug report needs: Python, package versions, the jax backend and its devices.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(run=_env)
+
+
+def _env(ns: argparse.Namespace, rest: list[str]) -> int:
+    info = collect_env()
+    if ns.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key in ("python", "platform", "backend", "backend_error", "process_count"):
+        if key in info:
+            print(f"{key:14} {info[key]}")
+    for d in info.get("devices", []):
+        mem = f", {d['memory_bytes'] / 2**30:.1f} GiB" if d["memory_bytes"] else ""
+        print(f"{'device ' + str(d['id']):14} {d['kind']} ({d['platform']}{mem})")
+    for name, v in info["packages"].items():
+        print(f"{name:14} {v}")
+    for k, v in info["env"].items():
+        print(f"{k}={v}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def make_cli_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=DefaultsFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_serve, _add_generate, _add_chat, _add_complete, _add_bench, _add_convert, _add_env):
+        add(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_cli_parser()
+    if argv[:1] == ["bench"] and len(argv) >= 2:
+        # `bench KIND ...`: everything after KIND (--help included) belongs to the benchmark's own parser.
+        ns = parser.parse_args(argv[:2])
+        return ns.run(ns, argv[2:])
+    ns = parser.parse_args(argv)
+    rest = argv[1:] if ns.command == "serve" else []
+    try:
+        return ns.run(ns, rest)
+    except ServerError as e:
+        print(f"{PROG} {ns.command}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Start-up that shows itself: a progress bar while the step buckets compile, then one summary block saying what
+the user got (model, dtype, devices, mesh, attention kernels, KV capacity, buckets, time to ready).
+
+Used by the server's engine process and by `LLM(..., warmup=True)`. The bar goes to stderr and hides itself when
+stderr is not a terminal (logs stay clean); the summary is logged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+
+@dataclass
+class WarmupReport:
+    seconds: float
+    buckets: int  # compiled step programs (shape buckets x sampling variants), over every replica
+
+
+def warm_up(engine: Any, show: bool | None = None) -> WarmupReport:
+    """Compiles every step bucket of every replica with a progress bar counting buckets. `show`: None = when
+    stderr is a terminal."""
+    replicas = getattr(engine, "replicas", [engine])
+    t0 = time.perf_counter()
+    compiled = 0
+    with tqdm(desc="Compiling step buckets", unit="bucket", disable=None if show is None else not show) as bar:
+
+        def tick(done: int, total: int) -> None:
+            nonlocal compiled
+            compiled += 1  # counted here: a disabled bar counts nothing
+            bar.total = total * len(replicas)
+            bar.update(1)
+
+        for r in replicas:
+            r.runner.warmup(progress=tick)
+    return WarmupReport(time.perf_counter() - t0, compiled)
+
+
+def attention_kernels(runner: Any) -> str:
+    """Which implementation the decode and the mixed (ragged) steps use on this backend, for these pools."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_pallas
+
+    cfg, (k, v) = runner.cfg, runner.kv[0]
+    q = jax.ShapeDtypeStruct((runner.cc.max_num_seqs, cfg.num_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
+    decode = kernels_pallas.decode_implementation(q, k, v, runner.attn_impl)
+    ragged = kernels_pallas.ragged_implementation(q, k, v, runner.attn_impl)
+    return f"decode {decode}, mixed {ragged}"
+
+
+def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s: float | None = None) -> str:
+    """The block printed once the engine is ready."""
+    import jax
+
+    replicas = getattr(engine, "replicas", [engine])
+    runner, cc = replicas[0].runner, replicas[0].cc
+    cfg = runner.cfg
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    mesh = runner.mesh
+    mesh_text = "single device" if mesh is None else " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    tokens = runner.num_kv_tokens
+    full_seqs = tokens // cc.max_model_len
+    kv_mib = tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jax.numpy.dtype(cfg.dtype).itemsize
+    params = sum(x.size for x in jax.tree.leaves(runner.params))
+    rows = [
+        ("model", f"{model} ({cfg.arch}, {cfg.num_layers} layers, {params / 1e6:.0f}M parameters)"),
+        ("dtype", str(cfg.dtype)),
+        ("backend", f"{jax.default_backend()}: {len(devices)} device(s), {', '.join(kinds)}"),
+        ("mesh", f"{mesh_text}; {len(replicas)} replica(s)"),
+        ("attention", attention_kernels(runner)),
+        (
+            "KV cache",
+            f"{tokens} tokens ({runner.num_pages} pages x {cc.page_size}, {kv_mib / 2**20:.0f} MiB) per "
+            f"replica = {full_seqs} sequences at max_model_len {cc.max_model_len}; "
+            f"max_num_seqs {cc.max_num_seqs}",
+        ),  # fmt: skip
+        (
+            "buckets",
+            f"{warm.buckets} compiled in {warm.seconds:.1f}s (decode batch {runner.seq_buckets}, "
+            f"mixed tokens {runner.token_buckets})",
+        ),  # fmt: skip
+        ("load", f"{load_s:.1f}s (weights, KV pool)"),
+    ]
+    if ready_s is not None:
+        rows.append(("ready in", f"{ready_s:.1f}s since the process started"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["jaxinfer is ready", *(f"  {k:<{width}}  {v}" for k, v in rows)])
+
+
+def seconds_since_start(pid: int | None = None) -> float | None:
+    """Seconds since process `pid` (default: this one) started, when psutil can tell."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return time.time() - psutil.Process(pid).create_time()

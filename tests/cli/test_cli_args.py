@@ -1,0 +1,85 @@
+"""The `jaxinfer` command line: every flag of every subcommand documents its default in --help, `serve MODEL` is
+`--model MODEL` under the server's own validation, and `env` reports the backend."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxinfer.cli import DefaultsFormatter, main, make_cli_parser, server_args
+from tests.cli.conftest import REPO_ENV
+
+SUBCOMMANDS = ["serve", "generate", "chat", "complete", "bench", "convert", "env"]
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    for action in make_cli_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise AssertionError("no subcommands")
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_flag_documents_its_default(name: str):
+    sub = _subparser(name)
+    formatter = DefaultsFormatter(prog="x")
+    flags = [a for a in sub._actions if a.dest != "help" and a.option_strings]
+    for action in flags:
+        text = formatter._get_help_string(action)
+        assert "default" in text.lower(), f"{name} {action.option_strings}: {text!r}"
+        assert "default" in sub.format_help() and action.option_strings[-1] in sub.format_help()
+
+
+def test_serve_model_positional_is_the_model_flag():
+    assert server_args(["some/model.gguf", "--port", "9"]).model == "some/model.gguf"
+    assert server_args(["--port", "9"]).port == 9
+    with pytest.raises(SystemExit):
+        server_args(["a.gguf", "--model", "b.gguf"])  # both: ambiguous
+    with pytest.raises(SystemExit):
+        server_args(["--gpu-memory-utilization", "2"])  # the server's own validation still runs
+
+
+def test_bench_needs_a_kind():
+    with pytest.raises(SystemExit):
+        main(["bench", "nonsense"])
+
+
+def test_env_reports_backend_and_versions():
+    out = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "env", "--json"], env=REPO_ENV, capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    info = json.loads(out.stdout)
+    assert info["backend"] == "cpu" and info["devices"][0]["platform"] == "cpu"
+    assert {"jax", "jaxlib", "jaxinfer"} <= set(info["packages"])
+
+
+def test_generate_prints_what_llm_generates(tiny_model, capsys):
+    from jaxinfer import LLM, SamplingParams
+    from tests.server.test_echo_logprobs import SETTINGS
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
+    prompts = ["Hello there", "The capital of France is"]
+    assert main(["generate", "--model", tiny_model, "--no-chat", "--max-tokens", "6", *flags,
+                 *(a for p in prompts for a in ("--prompt", p))]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    with LLM(tiny_model, **SETTINGS) as llm:
+        refs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert printed == "".join(f"### {p}\n{r.outputs[0].text}\n\n" for p, r in zip(prompts, refs, strict=True))
+
+
+def test_complete_quick_streams_the_servers_completion(live_server):
+    import httpx
+
+    from tests.cli.conftest import MODEL_NAME
+    from tests.server.conftest import API_KEY
+
+    prompt = "Once upon a time"
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    ref = httpx.post(f"{live_server.url}/v1/completions", json=body, headers=live_server.headers, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "complete", "--url", f"{live_server.url}/v1",
+                          "--api-key", API_KEY, "--max-tokens", "8", "-q", prompt], env=REPO_ENV, capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    assert out.stdout == ref.json()["choices"][0]["text"] + "\n"
