@@ -10,7 +10,7 @@ fork-safe) and binds two ipc:// sockets in a temporary directory; the core conne
                                                {"t": "err", "rid", "error"} | {"t": "dead", "type", "error"}
 
 Every message is one msgpack frame. An update is [seq_id, new_token_ids, new_logprobs, finished, finish_reason,
-stop_reason, prompt_logprobs] (a `SeqUpdate`); stats are the gauges and counters /metrics shows. "ready" also
+stop_reason, prompt_logprobs, error] (a `SeqUpdate`: only what the step added, never the whole output again); stats are the gauges and counters /metrics shows. "ready" also
 carries what the API side needs without the model: the limits `Engine.validate` checks and the tokenizer (pickled
 bytes inside that one frame; everything else is plain data).
 
@@ -71,12 +71,12 @@ def params_from_wire(d: dict) -> SamplingParams:
 
 def update_to_wire(u: SeqUpdate) -> list:
     return [u.request_id, u.new_token_ids, u.new_logprobs, u.finished, u.finish_reason, u.stop_reason,
-            u.prompt_logprobs]  # fmt: skip
+            u.prompt_logprobs, u.error]  # fmt: skip
 
 
 def update_from_wire(w: list) -> SeqUpdate:
-    rid, toks, lps, finished, reason, stop_reason, prompt_lps = w
-    return SeqUpdate(rid, toks, lps or [], finished, reason, stop_reason, prompt_lps)
+    rid, toks, lps, finished, reason, stop_reason, prompt_lps, error = w
+    return SeqUpdate(rid, toks, lps or [], finished, reason, stop_reason, prompt_lps, error)
 
 
 def engine_stats(engine: Any) -> dict:
@@ -90,8 +90,15 @@ def engine_stats(engine: Any) -> dict:
         "prefilled_tokens": engine.num_prefilled_tokens,
         "generated_tokens": engine.num_generated_tokens,
         "steps": engine.num_steps,
+        "compiles": _compile_count(),
         **timeline_stats(engine),
     }
+
+
+def _compile_count() -> int:
+    """XLA compilations in this process so far (0 where jax was never imported): serving must add none."""
+    runner = sys.modules.get("jaxinfer.engine.runner")
+    return runner.compile_count() if runner is not None else 0
 
 
 def timeline_stats(engine: Any) -> dict:

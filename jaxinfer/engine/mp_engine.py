@@ -55,6 +55,7 @@ class EngineStats:
     prefilled_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    compiles: int = 0  # XLA compilations in the engine process so far
     idle_share: float | None = None  # the step timeline's (--step-timeline), over its recent steps
     device_ms: float | None = None
     host_ms: float | None = None
