@@ -10,7 +10,8 @@ fork-safe) and binds two ipc:// sockets in a temporary directory; the core conne
                                                {"t": "err", "rid", "error"} | {"t": "dead", "type", "error"}
 
 Every message is one msgpack frame. An update is [seq_id, new_token_ids, new_logprobs, finished, finish_reason,
-stop_reason, prompt_logprobs, error] (a `SeqUpdate`: only what the step added, never the whole output again); stats are the gauges and counters /metrics shows. "ready" also
+stop_reason, prompt_logprobs, error] (a `SeqUpdate`: only what the step added, never the whole output again);
+stats are the gauges and counters /metrics shows. "ready" also
 carries what the API side needs without the model: the limits `Engine.validate` checks and the tokenizer (pickled
 bytes inside that one frame; everything else is plain data).
 
@@ -205,7 +206,8 @@ def _build(args: dict) -> tuple[Any, Any]:
 
     engine, tokenizer = build_engine(ServerArgs(**args))
     # Compile every step shape now, so that no request waits for a compilation.
-    warm = sum(e.runner.warmup() for e in getattr(engine, "replicas", [engine]))
+    # Every program variant a request can select: prompt logprobs (echo + logprobs) included.
+    warm = sum(e.runner.warmup(prompt_logprobs=True) for e in getattr(engine, "replicas", [engine]))
     log.info("compiled steps warmed up in %.1fs", warm)
     return engine, tokenizer
 

@@ -221,7 +221,8 @@ class Engine:
             bias.update({t: float("-inf") for t in banned})
         return RowSampling(
             # top_k at or past the vocabulary keeps every token: 0 says so without overflowing int32.
-            temperature=p.temperature, top_k=p.top_k if p.top_k < self.cfg.vocab_size else 0, top_p=p.top_p, min_p=p.min_p, seed=req.seed,
+            temperature=p.temperature, top_k=p.top_k if p.top_k < self.cfg.vocab_size else 0,
+            top_p=p.top_p, min_p=p.min_p, seed=req.seed,
             counter=len(req.output_token_ids), repetition_penalty=p.repetition_penalty,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids, logit_bias=bias,

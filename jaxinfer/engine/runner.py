@@ -313,17 +313,18 @@ class ModelRunner:
             self.attn_impl, self.mesh, prompt_lp,
         )  # fmt: skip
 
-    def warmup(self, advanced: bool = True) -> float:
-        """Compiles every bucket (and the penalties/bias variant) by running all-padding steps, which write
-        nothing. Returns the seconds taken."""
+    def warmup(self, advanced: bool = True, prompt_logprobs: bool = False) -> float:
+        """Compiles every bucket (and the penalties/bias variant, and with `prompt_logprobs` the variant that
+        scores every prompt token) by running all-padding steps, which write nothing. Returns the seconds taken."""
         t0 = time.perf_counter()
         shapes = [(True, s, s) for s in self.seq_buckets] + [
             (False, t, self.cc.max_num_seqs) for t in self.token_buckets
         ]
         for adv in (False, True) if advanced else (False,):
-            for decode_only, t, s in shapes:
-                inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
-                st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
-                out, _ = self.launch(inp, st, decode_only, adv, False)
+            for plp in (False, True) if prompt_logprobs else (False,):
+                for decode_only, t, s in shapes:
+                    inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
+                    st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
+                    out, _ = self.launch(inp, st, decode_only, adv, plp)
         jax.block_until_ready(out)
         return time.perf_counter() - t0
