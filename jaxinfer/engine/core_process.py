@@ -91,12 +91,12 @@ def engine_stats(engine: Any) -> dict:
         "prefilled_tokens": engine.num_prefilled_tokens,
         "generated_tokens": engine.num_generated_tokens,
         "steps": engine.num_steps,
-        "compiles": _compile_count(),
+        "compiles": compile_count(),
         **timeline_stats(engine),
     }
 
 
-def _compile_count() -> int:
+def compile_count() -> int:
     """XLA compilations in this process so far (0 where jax was never imported): serving must add none."""
     runner = sys.modules.get("jaxinfer.engine.runner")
     return runner.compile_count() if runner is not None else 0
