@@ -115,7 +115,8 @@ def timeline_stats(engine: Any) -> dict:
 
 def engine_facts(engine: Any, tokenizer: Any) -> dict:
     """What the API side needs from the engine: `Engine.validate`'s inputs, the limits the handlers check."""
-    first = getattr(engine, "replicas", [engine])[0]  # DataParallelEngine validates with its first replica
+    # DataParallelEngine: the API side checks the largest replica's limits; the core routes to one that fits.
+    first = engine.largest() if hasattr(engine, "largest") else engine
     return {
         "config": first.cfg.to_dict(),
         "cache": dataclasses.asdict(first.cc),

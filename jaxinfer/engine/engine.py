@@ -32,7 +32,8 @@ from jaxinfer.types import Request, SamplingParams, SeqUpdate, Status
 
 log = logging.getLogger(__name__)
 
-# Test hook: preparing the request with this id (its group id for n > 1) raises, as a bug in the engine would.
+# Test hook: preparing a request whose id (its group id for n > 1) starts with this raises, as a bug would. The
+# server starts engine ids with the client's X-Request-Id.
 FAULT_REQUEST_ENV = "JAXINFER_FAULT_REQUEST"
 
 
@@ -202,7 +203,7 @@ class Engine:
 
     def _prepare(self, r: Request, num_new: int) -> tuple[SeqChunk, RowSampling]:
         """One scheduled sequence's chunk (with prompt-logprob targets when asked for) and sampling row."""
-        if self.fault_request is not None and (r.group or r.request_id) == self.fault_request:
+        if self.fault_request is not None and (r.group or r.request_id).startswith(self.fault_request):
             raise RuntimeError(f"injected failure for request {self.fault_request} (${FAULT_REQUEST_ENV})")
         start, stop, n_prompt = r.num_computed, r.num_computed + num_new, len(r.prompt_token_ids)
         targets = None

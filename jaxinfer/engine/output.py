@@ -48,7 +48,9 @@ class OutputProcessor:
         seqs = {}
         for i, sid in enumerate(sids):
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                # min_tokens: stop strings are checked only after it (as vLLM v1), from the first token past it.
+                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop if params.min_tokens == 0 else (),
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )  # fmt: skip
             seqs[sid] = _Seq(i, detok)
@@ -79,6 +81,8 @@ class OutputProcessor:
             if u.prompt_logprobs is not None and req.prompt_logprobs is None:
                 req.prompt_logprobs = u.prompt_logprobs
             for tok, lp in zip(u.new_token_ids, u.new_logprobs or [None] * len(u.new_token_ids), strict=True):
+                if len(seq.token_ids) == req.params.min_tokens > 0:
+                    seq.detok.arm_stop(req.params.stop)
                 seq.token_ids.append(tok)
                 seq.detok.add(tok)
                 if lp is not None:
