@@ -46,8 +46,9 @@ def test_unequal_replicas_route_by_capacity(monkeypatch):
     free = iter([2 * 6 * page_bytes, 2 * 24 * page_bytes])  # replica 0: 6 pages (48 tokens), replica 1: 24 (192)
     monkeypatch.setattr(runner, "_free_device_bytes", lambda: next(free))
     mesh = make_mesh(1, 2)
-    params = jax.device_put(init_params(cfg, seed=0), jax.sharding.NamedSharding(replica_meshes(mesh)[0],
-                                                                                 jax.sharding.PartitionSpec()))
+    params = jax.device_put(
+        init_params(cfg, seed=0), jax.sharding.NamedSharding(replica_meshes(mesh)[0], jax.sharding.PartitionSpec())
+    )
     eng = DataParallelEngine(cfg, params, mesh, cc, eos_token_ids=())
     assert [e.allocator.num_pages for e in eng.replicas] == [6, 24]
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

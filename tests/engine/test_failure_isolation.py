@@ -72,6 +72,7 @@ def test_a_failed_dispatch_ends_its_step_and_the_engine_goes_on(params):
     def broken_once(eng, step):
         eng.runner.dispatch = real
         if step == 2:  # mid-decode: every running request is in this step
+
             def fail(*a, **k):
                 raise RuntimeError("packing failed")
 

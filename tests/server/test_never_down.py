@@ -164,8 +164,19 @@ def test_no_compilation_while_serving(server, http):
         ("/v1/completions", _body(PROMPTS[2], logprobs=30)),
         ("/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 0, "echo": True, "logprobs": 0}),
         ("/v1/completions", _body(PROMPTS[0], temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=1, n=3)),
-        ("/v1/completions", _body(PROMPTS[1], presence_penalty=1, frequency_penalty=0.5, repetition_penalty=1.2,
-                                  logit_bias={"5": 3}, min_tokens=3, stop_token_ids=[7], stop=["x"])),  # fmt: skip
+        (
+            "/v1/completions",
+            _body(
+                PROMPTS[1],
+                presence_penalty=1,
+                frequency_penalty=0.5,
+                repetition_penalty=1.2,
+                logit_bias={"5": 3},
+                min_tokens=3,
+                stop_token_ids=[7],
+                stop=["x"],
+            ),
+        ),  # fmt: skip
         ("/v1/completions", _body(PROMPTS[2], echo=True, logprobs=1, repetition_penalty=1.3)),
         ("/v1/completions", {"prompt": PROMPTS, "max_tokens": 3, "stream": True}),
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 30}),
