@@ -85,6 +85,10 @@ class IncrementalDetokenizer:
             self._parts = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
 
+    def arm_stop(self, stop: Sequence[str]) -> None:
+        """Starts checking stop strings from the next token on (min_tokens: vLLM v1 checks none before it)."""
+        self._stop = tuple(dict.fromkeys(s for s in stop if s))
+
     def add(self, token_id: int) -> str:
         """Feeds one generated token; returns the text that became final with it ('' if none did).
 

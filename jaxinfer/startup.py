@@ -20,9 +20,9 @@ class WarmupReport:
     buckets: int  # compiled step programs (shape buckets x sampling variants), over every replica
 
 
-def warm_up(engine: Any, show: bool | None = None) -> WarmupReport:
-    """Compiles every step bucket of every replica with a progress bar counting buckets. `show`: None = when
-    stderr is a terminal."""
+def warm_up(engine: Any, show: bool | None = None, prompt_logprobs: bool = False) -> WarmupReport:
+    """Compiles every step bucket of every replica with a progress bar counting buckets (with `prompt_logprobs`
+    also the variants that score prompt tokens). `show`: None = when stderr is a terminal."""
     replicas = getattr(engine, "replicas", [engine])
     t0 = time.perf_counter()
     compiled = 0
@@ -35,7 +35,7 @@ def warm_up(engine: Any, show: bool | None = None) -> WarmupReport:
             bar.update(1)
 
         for r in replicas:
-            r.runner.warmup(progress=tick)
+            r.runner.warmup(prompt_logprobs=prompt_logprobs, progress=tick)
     return WarmupReport(time.perf_counter() - t0, compiled)
 
 

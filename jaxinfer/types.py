@@ -13,6 +13,10 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ValueError(f"{name} {msg}")
 
 
+# The engine's sampling arrays and the wire to the engine process hold ids and counts as int32.
+INT32_MAX = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation settings under vLLM's names. Every field is honoured; there is no field we ignore.
@@ -51,16 +55,22 @@ class SamplingParams:
                    f"must be a finite number, got {v!r}")  # fmt: skip
             return float(v)
 
-        _check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-               f"must be an integer >= 1, got {self.max_tokens!r}")  # fmt: skip
-        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")  # fmt: skip
+        def count(name: str, lo: int) -> None:
+            v = getattr(self, name)
+            _check(is_int(v) and lo <= v <= INT32_MAX, name, f"must be an integer in [{lo}, {INT32_MAX}], got {v!r}")
+
+        count("n", 1)
+        count("max_tokens", 1)
+        count("min_tokens", 0)
+        _check(self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")  # fmt: skip
         _check(num("temperature") >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < num("top_p") <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(
             is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be -1, 0 or a positive integer, got {self.top_k!r}"
         )
+        # A top_k at or past the vocabulary keeps every token: past int32 it means the same, and fits the arrays.
+        object.__setattr__(self, "top_k", min(self.top_k, INT32_MAX))
         _check(0 <= num("min_p") <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(num("repetition_penalty") > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         _check(
@@ -78,20 +88,24 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be a non-empty string or a list of them")
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids or ())
-        _check(all(is_int(t) and t >= 0 for t in ids), "stop_token_ids", "must be non-negative integers")
+        _check(all(is_int(t) and 0 <= t <= INT32_MAX for t in ids), "stop_token_ids",
+               "must be token ids (non-negative integers)")  # fmt: skip
         object.__setattr__(self, "stop_token_ids", ids)
         if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
             bias = {}
-            for k, v in dict(self.logit_bias).items():
-                _check(str(k).lstrip("-").isdigit(), "logit_bias", f"keys must be token ids, got {k!r}")
-                _check(isinstance(v, int | float) and -100 <= v <= 100, "logit_bias",
-                       f"values must be in [-100, 100], got {v!r}")  # fmt: skip
-                bias[int(k)] = float(v)
+            for k, v in self.logit_bias.items():
+                key = str(k)
+                _check(key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= INT32_MAX, "logit_bias",
+                       f"keys must be token ids, got {k!r}")  # fmt: skip
+                _check(isinstance(v, int | float) and not isinstance(v, bool) and -100 <= v <= 100, "logit_bias",
+                       f"values must be numbers in [-100, 100], got {v!r}")  # fmt: skip
+                bias[int(key)] = float(v)
             object.__setattr__(self, "logit_bias", bias)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None:
-                _check(is_int(v) and 0 <= v <= 20, name, f"must be an integer in [0, 20], got {v!r}")
+            if v is not None:  # the upper bound is the engine's max_logprobs (Engine.validate)
+                count(name, 0)
 
     @property
     def greedy(self) -> bool:
@@ -167,6 +181,7 @@ class SeqUpdate:
     finish_reason: str | None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first token, when asked for
+    error: str | None = None  # finish_reason "error": why the engine failed this sequence (the others go on)
 
 
 @dataclass
@@ -203,3 +218,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    error: str | None = None  # the engine failed this request (finish_reason "error"); the message says why

@@ -10,7 +10,8 @@ fork-safe) and binds two ipc:// sockets in a temporary directory; the core conne
                                                {"t": "err", "rid", "error"} | {"t": "dead", "type", "error"}
 
 Every message is one msgpack frame. An update is [seq_id, new_token_ids, new_logprobs, finished, finish_reason,
-stop_reason, prompt_logprobs] (a `SeqUpdate`); stats are the gauges and counters /metrics shows. "ready" also
+stop_reason, prompt_logprobs, error] (a `SeqUpdate`: only what the step added, never the whole output again);
+stats are the gauges and counters /metrics shows. "ready" also
 carries what the API side needs without the model: the limits `Engine.validate` checks and the tokenizer (pickled
 bytes inside that one frame; everything else is plain data).
 
@@ -71,12 +72,12 @@ def params_from_wire(d: dict) -> SamplingParams:
 
 def update_to_wire(u: SeqUpdate) -> list:
     return [u.request_id, u.new_token_ids, u.new_logprobs, u.finished, u.finish_reason, u.stop_reason,
-            u.prompt_logprobs]  # fmt: skip
+            u.prompt_logprobs, u.error]  # fmt: skip
 
 
 def update_from_wire(w: list) -> SeqUpdate:
-    rid, toks, lps, finished, reason, stop_reason, prompt_lps = w
-    return SeqUpdate(rid, toks, lps or [], finished, reason, stop_reason, prompt_lps)
+    rid, toks, lps, finished, reason, stop_reason, prompt_lps, error = w
+    return SeqUpdate(rid, toks, lps or [], finished, reason, stop_reason, prompt_lps, error)
 
 
 def engine_stats(engine: Any) -> dict:
@@ -90,8 +91,15 @@ def engine_stats(engine: Any) -> dict:
         "prefilled_tokens": engine.num_prefilled_tokens,
         "generated_tokens": engine.num_generated_tokens,
         "steps": engine.num_steps,
+        "compiles": compile_count(),
         **timeline_stats(engine),
     }
+
+
+def compile_count() -> int:
+    """XLA compilations in this process so far (0 where jax was never imported): serving must add none."""
+    runner = sys.modules.get("jaxinfer.engine.runner")
+    return runner.compile_count() if runner is not None else 0
 
 
 def timeline_stats(engine: Any) -> dict:
@@ -107,7 +115,8 @@ def timeline_stats(engine: Any) -> dict:
 
 def engine_facts(engine: Any, tokenizer: Any) -> dict:
     """What the API side needs from the engine: `Engine.validate`'s inputs, the limits the handlers check."""
-    first = getattr(engine, "replicas", [engine])[0]  # DataParallelEngine validates with its first replica
+    # DataParallelEngine: the API side checks the largest replica's limits; the core routes to one that fits.
+    first = engine.largest() if hasattr(engine, "largest") else engine
     return {
         "config": first.cfg.to_dict(),
         "cache": dataclasses.asdict(first.cc),
@@ -200,8 +209,8 @@ def _build(args: dict) -> tuple[Any, Any]:
     t0 = time.perf_counter()
     engine, tokenizer = build_engine(ServerArgs(**args))
     load_s = time.perf_counter() - t0
-    # Compile every step shape now, so that no request waits for a compilation.
-    warm = warm_up(engine)
+    # Compile now every program variant a request can select: prompt logprobs (echo + logprobs) included.
+    warm = warm_up(engine, prompt_logprobs=True)
     log.info("compiled steps warmed up in %.1fs", warm.seconds)
     # Time to ready counts from the API server's start (our parent), as the user sees it.
     log.info("%s", summary(engine, args["model"], load_s, warm, seconds_since_start(os.getppid())))

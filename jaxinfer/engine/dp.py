@@ -62,8 +62,27 @@ class DataParallelEngine:
         self._owner: dict[str, Engine] = {}
         self._ids = itertools.count()
 
+    def largest(self) -> Engine:
+        """The replica with the largest KV pool: the one whose limits the API side checks first."""
+        return max(self.replicas, key=lambda e: e.allocator.num_pages)
+
+    def _fitting(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> tuple[list[Engine], list[int]]:
+        """The replicas that can hold the request (each checks its own capacity: pools may differ), and the prompt.
+        ValueError (the largest replica's) when none can: a 400, never a request that waits forever."""
+        fits, prompt = [], None
+        for e in self.replicas:
+            try:
+                prompt = e.validate(prompt_token_ids, params)
+                fits.append(e)
+            except ValueError:
+                continue
+        if not fits:
+            self.largest().validate(prompt_token_ids, params)  # raises with the largest replica's message
+            raise ValueError("prompt: the request fits no replica")  # every replica refused, yet the largest not
+        return fits, prompt
+
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        return self.replicas[0].validate(prompt_token_ids, params)
+        return self._fitting(prompt_token_ids, params)[1]
 
     def _load(self, e: Engine) -> int:
         return sum(r.num_tokens - r.num_computed + r.params.max_tokens for r in e.seqs.values())
@@ -74,8 +93,9 @@ class DataParallelEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._owner:
             raise ValueError(f"request_id {rid!r} is already in use")
-        engine = min(self.replicas, key=self._load)
-        engine.add_request(prompt_token_ids, params, rid)
+        fits, prompt = self._fitting(prompt_token_ids, params)
+        engine = min(fits, key=self._load)  # the least loaded replica that can hold it
+        engine.add_request(prompt, params, rid)
         self._owner[rid] = engine
         return rid
 

@@ -1,15 +1,24 @@
 """The engine loop: schedule -> run -> update. Token ids in, token ids out; text lives a layer above.
 
 Synchronous and single-threaded: `LLM` drives it directly, `AsyncEngine` from a background thread.
+
+Failure isolation: an exception while preparing or finishing one request ends that request (and its n siblings)
+with finish_reason "error" and an error message in its SeqUpdate; its pages go back to the pool and the others go
+on. An exception dispatching a step (packing, transfer, tracing: nothing ran on the device) cannot be blamed on
+one row: the step's requests end with "error" and the engine keeps serving. An error from the device itself
+leaves the KV pool unusable: `step()` raises EngineFatalError and the caller stops serving.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import random
 import time
 from collections.abc import Sequence
 
+import jax
 from jax.sharding import Mesh
 
 from jaxinfer.cache.pages import PageAllocator
@@ -20,6 +29,16 @@ from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
 from jaxinfer.step import SeqChunk
 from jaxinfer.types import Request, SamplingParams, SeqUpdate, Status
+
+log = logging.getLogger(__name__)
+
+# Test hook: preparing a request whose id (its group id for n > 1) starts with this raises, as a bug would. The
+# server starts engine ids with the client's X-Request-Id.
+FAULT_REQUEST_ENV = "JAXINFER_FAULT_REQUEST"
+
+
+class EngineFatalError(RuntimeError):
+    """The device failed: the KV pool (and every request in it) is gone; the engine cannot serve any more."""
 
 
 class Engine:
@@ -38,7 +57,11 @@ class Engine:
         work on N's results runs while the device computes. Outputs are the same either way; off helps debugging."""
         cache = cache or CacheConfig()
         if cache.max_model_len > cfg.max_position_embeddings:
-            cache = CacheConfig(**{**cache.__dict__, "max_model_len": cfg.max_position_embeddings})
+            raise ValueError(
+                f"max_model_len: {cache.max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
+            )
+        if cache.max_logprobs > cfg.vocab_size:
+            raise ValueError(f"max_logprobs: {cache.max_logprobs} exceeds the vocabulary size {cfg.vocab_size}")
         self.cfg, self.cc = cfg, cache
         self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh)
         self.allocator = PageAllocator(self.runner.num_pages, cache.page_size, cache.enable_prefix_cache)
@@ -52,6 +75,8 @@ class Engine:
         self._rng = random.Random(seed)
         self.overlap = overlap
         self._in_flight: tuple | None = None  # with overlap: the dispatched step whose tokens are not read yet
+        self._failed: list[SeqUpdate] = []  # error updates of failed requests, returned by the next step
+        self.fault_request = os.environ.get(FAULT_REQUEST_ENV) or None
         # Counters for metrics and tests.
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
@@ -143,7 +168,49 @@ class Engine:
             self.groups.pop(rid, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._failed)
+
+    # ------------------------------------------------------------------------------------------ failures
+
+    def _fail(self, req: Request, error: BaseException | str) -> None:
+        """Ends the request (all n of its sequences) with finish_reason "error"; the next step reports it."""
+        msg = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        rid = req.group or req.request_id
+        log.error("request %s failed in the engine: %s", rid, msg, exc_info=isinstance(error, BaseException))
+        now = time.monotonic()
+        for sid in self.groups.pop(rid, [req.request_id]):
+            seq = self.seqs.pop(sid, None)
+            if seq is None or seq.status is Status.FINISHED:
+                continue
+            self._end(seq, "error")
+            seq.finish_time = now
+            self._failed.append(SeqUpdate(sid, [], [], True, "error", None, error=msg))
+
+    def _fail_step(self, batch: list, error: BaseException) -> None:
+        """A step failed as a whole: its requests end with "error". Raises EngineFatalError when the device state
+        did not survive (an error that happened on the device poisons the KV pool the step returned)."""
+        for s in batch:
+            if s.req.status is not Status.FINISHED:
+                self._fail(s.req, f"the engine step failed: {type(error).__name__}: {error}")
+        try:
+            jax.block_until_ready((self.runner.kv, self.runner.feed))
+        except Exception as e:
+            raise EngineFatalError(f"the device failed: {e}") from error
+
+    def _take_failed(self) -> list[SeqUpdate]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _prepare(self, r: Request, num_new: int) -> tuple[SeqChunk, RowSampling]:
+        """One scheduled sequence's chunk (with prompt-logprob targets when asked for) and sampling row."""
+        if self.fault_request is not None and (r.group or r.request_id).startswith(self.fault_request):
+            raise RuntimeError(f"injected failure for request {self.fault_request} (${FAULT_REQUEST_ENV})")
+        start, stop, n_prompt = r.num_computed, r.num_computed + num_new, len(r.prompt_token_ids)
+        targets = None
+        if r.params.prompt_logprobs is not None and start < n_prompt:
+            # Each prompt token's logits score the prompt token after it.
+            targets = [r.prompt_token_ids[p + 1] if p + 1 < n_prompt else -1 for p in range(start, stop)]
+        return SeqChunk(r.tokens(start, stop), start, r.pages, targets), self._row(r)
 
     # ------------------------------------------------------------------------------------------ the step
 
@@ -154,7 +221,9 @@ class Engine:
             banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
             bias.update({t: float("-inf") for t in banned})
         return RowSampling(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=req.seed,
+            # top_k at or past the vocabulary keeps every token: 0 says so without overflowing int32.
+            temperature=p.temperature, top_k=p.top_k if p.top_k < self.cfg.vocab_size else 0,
+            top_p=p.top_p, min_p=p.min_p, seed=req.seed,
             counter=len(req.output_token_ids), repetition_penalty=p.repetition_penalty,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids, logit_bias=bias,
@@ -194,23 +263,34 @@ class Engine:
         if not batch:
             return None
         now = time.monotonic()
-        chunks, rows = [], []
+        chunks, rows, kept = [], [], []
         want_prompt_lp = False
         for s in batch:
             r = s.req
+            if r.status is Status.FINISHED:  # a sibling failed just now
+                continue
+            try:
+                chunk, row = self._prepare(r, s.num_new)
+            except Exception as e:
+                self._fail(r, e)
+                continue
             r.first_scheduled_time = r.first_scheduled_time or now
-            start, stop, n_prompt = r.num_computed, r.num_computed + s.num_new, len(r.prompt_token_ids)
-            targets = None
-            if r.params.prompt_logprobs is not None and start < n_prompt:
-                # Each prompt token's logits score the prompt token after it.
-                targets = [r.prompt_token_ids[p + 1] if p + 1 < n_prompt else -1 for p in range(start, stop)]
-                want_prompt_lp = True
-            chunks.append(SeqChunk(r.tokens(start, stop), start, r.pages, targets))
-            rows.append(self._row(r))
-            self.num_prefilled_tokens += max(0, min(stop, n_prompt) - start)
-        pending = self.runner.dispatch(chunks, rows, want_prompt_lp, host_start)  # packs the inputs before returning
+            want_prompt_lp |= chunk.target_ids is not None
+            chunks.append(chunk)
+            rows.append(row)
+            kept.append(s)
+        batch = kept
+        if not batch:
+            return None
+        try:
+            pending = self.runner.dispatch(chunks, rows, want_prompt_lp, host_start)  # packs before returning
+        except Exception as e:
+            self._fail_step(batch, e)
+            return None
         for i, s in enumerate(batch):
             r = s.req
+            n_prompt = len(r.prompt_token_ids)
+            self.num_prefilled_tokens += max(0, min(r.num_computed + s.num_new, n_prompt) - r.num_computed)
             r.num_computed += s.num_new  # the next step may be scheduled before this one's results are read
             if s.samples:
                 s.out_index = len(r.output_token_ids)
@@ -218,67 +298,77 @@ class Engine:
         return batch, chunks, pending
 
     def finish_step(self, started: tuple | None) -> list[SeqUpdate]:
-        """Collects a dispatched step's tokens and updates every sequence it ran."""
+        """Collects a dispatched step's tokens and updates every sequence it ran (and reports failed ones)."""
         if started is None:
-            return []
+            return self._take_failed()
         batch, chunks, pending = started
-        out, prompt_lp = self.runner.collect(pending)
-        if prompt_lp is not None:
-            self._record_prompt_logprobs(chunks, batch, prompt_lp)
+        try:
+            out, prompt_lp = self.runner.collect(pending)
+        except Exception as e:
+            self._fail_step(batch, e)
+            return self._take_failed()
         self.num_steps += 1
         now = time.monotonic()
         updates = []
-        for i, s in enumerate(batch):
+        off = 0
+        for i, (s, chunk) in enumerate(zip(batch, chunks, strict=True)):
             req = s.req
+            start, off = off, off + len(chunk.token_ids)
             if req.status is Status.FINISHED:  # ended (stop string, abort, eos) while this step was in flight
                 continue
-            tok = int(out.token_ids[i])
-            if s.samples:
-                req.output_token_ids[s.out_index] = tok
-            self.scheduler.commit(req)
-            if not s.samples:
+            try:
+                if prompt_lp is not None and chunk.target_ids is not None:
+                    self._record_prompt_logprobs(req, chunk, prompt_lp, start)
+                update = self._update(req, s, out, i, now)
+            except Exception as e:
+                self._fail(req, e)
                 continue
-            self.num_generated_tokens += 1
-            lp: list[dict[int, float]] = []
-            if req.params.logprobs is not None:
-                k = req.params.logprobs
-                entry = {tok: float(out.logprobs[i])}
-                entry.update(
-                    {int(t): float(v) for t, v in zip(out.top_ids[i, :k], out.top_logprobs[i, :k], strict=True)}
-                )
-                req.output_logprobs.append(entry)
-                lp = [entry]
-            req.first_token_time = req.first_token_time or now
-            reason, stop_reason = self._stop(req, tok, s.out_index + 1)
-            if reason:
-                self._end(req, reason)
-                req.stop_reason, req.finish_time = stop_reason, now
-                self.seqs.pop(req.request_id, None)
-                self._forget_group(req)
-            update = SeqUpdate(req.request_id, [tok], lp, reason is not None, reason, stop_reason)
-            if req.params.prompt_logprobs is not None and s.out_index == 0:
-                update.prompt_logprobs = req.prompt_logprobs
-            updates.append(update)
-        return updates
+            if update is not None:
+                updates.append(update)
+        return updates + self._take_failed()
 
-    def _record_prompt_logprobs(self, chunks: list[SeqChunk], batch: list, prompt_lp: tuple) -> None:
+    def _update(self, req: Request, s, out, i: int, now: float) -> SeqUpdate | None:
+        """Row i of a step's outputs applied to its sequence; its SeqUpdate when the row sampled a token."""
+        tok = int(out.token_ids[i])
+        if s.samples:
+            req.output_token_ids[s.out_index] = tok
+        self.scheduler.commit(req)
+        if not s.samples:
+            return None
+        self.num_generated_tokens += 1
+        lp: list[dict[int, float]] = []
+        if req.params.logprobs is not None:
+            k = req.params.logprobs
+            entry = {tok: float(out.logprobs[i])}
+            entry.update({int(t): float(v) for t, v in zip(out.top_ids[i, :k], out.top_logprobs[i, :k], strict=True)})
+            req.output_logprobs.append(entry)
+            lp = [entry]
+        req.first_token_time = req.first_token_time or now
+        reason, stop_reason = self._stop(req, tok, s.out_index + 1)
+        if reason:
+            self._end(req, reason)
+            req.stop_reason, req.finish_time = stop_reason, now
+            self.seqs.pop(req.request_id, None)
+            self._forget_group(req)
+        update = SeqUpdate(req.request_id, [tok], lp, reason is not None, reason, stop_reason)
+        if req.params.prompt_logprobs is not None and s.out_index == 0:
+            update.prompt_logprobs = req.prompt_logprobs
+        return update
+
+    def _record_prompt_logprobs(self, req: Request, c: SeqChunk, prompt_lp: tuple, off: int) -> None:
+        """The chunk's rows of the step's per-token prompt logprobs (they start at packed token `off`)."""
         lps, top_ids, top_lps = prompt_lp
-        off = 0
-        for c, s in zip(chunks, batch, strict=True):
-            req = s.req
-            if c.target_ids is not None:
-                if not req.prompt_logprobs:
-                    req.prompt_logprobs = [None]  # the first prompt token has nothing before it
-                k = req.params.prompt_logprobs
-                for j, target in enumerate(c.target_ids):
-                    # Entry p + 1 scores prompt token p + 1; a preempted request recomputes entries it already has.
-                    if target < 0 or c.start + j + 1 < len(req.prompt_logprobs):
-                        continue
-                    entry = {int(target): float(lps[off + j])}
-                    for t, v in zip(top_ids[off + j, :k], top_lps[off + j, :k], strict=True):
-                        entry.setdefault(int(t), float(v))
-                    req.prompt_logprobs.append(entry)
-            off += len(c.token_ids)
+        if not req.prompt_logprobs:
+            req.prompt_logprobs = [None]  # the first prompt token has nothing before it
+        k = req.params.prompt_logprobs
+        for j, target in enumerate(c.target_ids):
+            # Entry p + 1 scores prompt token p + 1; a preempted request recomputes entries it already has.
+            if target < 0 or c.start + j + 1 < len(req.prompt_logprobs):
+                continue
+            entry = {int(target): float(lps[off + j])}
+            for t, v in zip(top_ids[off + j, :k], top_lps[off + j, :k], strict=True):
+                entry.setdefault(int(t), float(v))
+            req.prompt_logprobs.append(entry)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

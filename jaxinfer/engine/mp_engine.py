@@ -24,6 +24,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,7 @@ class EngineStats:
     prefilled_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    compiles: int = 0  # XLA compilations in the engine process so far
     idle_share: float | None = None  # the step timeline's (--step-timeline), over its recent steps
     device_ms: float | None = None
     host_ms: float | None = None
@@ -65,6 +67,13 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     seq_ids: list[str]
+    request_id: str = ""
+    last_take: float = 0.0  # when the caller last took an output (monotonic)
+    cut: bool = False  # cut off as a slow reader: nothing more is queued
+
+
+class SlowReaderError(RuntimeError):
+    """The stream's caller stopped taking its outputs: the request was aborted to bound what it holds."""
 
 
 class _Validator:
@@ -112,6 +121,8 @@ class MPAsyncEngine:
         self.max_model_len = 0
         self.kv_tokens = 0
         self.max_logprobs = args.max_logprobs
+        self.stream_stall_timeout = args.stream_stall_timeout
+        self.max_stream_buffer = args.max_stream_buffer
         self.core_pid: int | None = None
         self._stats = EngineStats()
         self._validator: _Validator | None = None
@@ -196,7 +207,7 @@ class MPAsyncEngine:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         ids = self.validate(prompt_ids, params)
         sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sids)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sids, request_id, time.monotonic())
         with self._lock:
             if self.error is not None:  # checked under the lock: a death after this point reaches this stream
                 raise EngineDeadError(f"engine is not running: {self.error!r}")
@@ -209,6 +220,7 @@ class MPAsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
+                stream.last_take = time.monotonic()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -272,12 +284,33 @@ class MPAsyncEngine:
 
     # ------------------------------------------------------------------------------------------ reader thread
 
-    @staticmethod
-    def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
         try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(self._put, stream, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
             pass
+
+    def _put(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
+        """On the caller's event loop. A caller that stopped taking outputs (an HTTP client that stopped reading,
+        without disconnecting: its response task waits on the socket) is cut off once `max_stream_buffer` outputs
+        wait for it, or its oldest waiting output is `stream_stall_timeout` seconds old: the request is aborted
+        (its pages return to the pool) and the caller finds a SlowReaderError when it reads again."""
+        if stream.cut:
+            return
+        q = stream.queue
+        stalled = q.qsize() > 0 and time.monotonic() - stream.last_take > self.stream_stall_timeout
+        if isinstance(item, BaseException) or not (q.qsize() >= self.max_stream_buffer or stalled):
+            q.put_nowait(item)
+            return
+        stream.cut = True
+        log.warning("request %s: its client stopped reading (%d outputs waiting); aborting it", stream.request_id,
+                    q.qsize())  # fmt: skip
+        self._send(["abort", stream.request_id])
+        with self._lock:
+            self.processor.forget(stream.request_id)
+        while not q.empty():  # what it would never read: dropped now, not when the connection finally closes
+            q.get_nowait()
+        q.put_nowait(SlowReaderError(f"request {stream.request_id} aborted: its client stopped reading"))
 
     def _read_loop(self) -> None:
         poller = zmq.Poller()

@@ -33,6 +33,7 @@ class _Req:
     seqs: dict[str, _Seq]
     arrival_time: float
     prompt_logprobs: list | None = None
+    error: str | None = None  # the engine failed it (finish_reason "error")
 
 
 class OutputProcessor:
@@ -47,7 +48,9 @@ class OutputProcessor:
         seqs = {}
         for i, sid in enumerate(sids):
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                # min_tokens: stop strings are checked only after it (as vLLM v1), from the first token past it.
+                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop if params.min_tokens == 0 else (),
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )  # fmt: skip
             seqs[sid] = _Seq(i, detok)
@@ -70,9 +73,16 @@ class OutputProcessor:
             req = self._reqs[rid]
             seq = req.seqs[u.request_id]
             touched[rid] = req
+            if u.error is not None:  # the engine failed the request: every sample ends with it
+                req.error = u.error
+                for other in req.seqs.values():
+                    other.finish_reason = other.finish_reason or "error"
+                continue
             if u.prompt_logprobs is not None and req.prompt_logprobs is None:
                 req.prompt_logprobs = u.prompt_logprobs
             for tok, lp in zip(u.new_token_ids, u.new_logprobs or [None] * len(u.new_token_ids), strict=True):
+                if len(seq.token_ids) == req.params.min_tokens > 0:
+                    seq.detok.arm_stop(req.params.stop)
                 seq.token_ids.append(tok)
                 seq.detok.add(tok)
                 if lp is not None:
@@ -118,4 +128,4 @@ class OutputProcessor:
         ]
         finished = all(o.finish_reason is not None for o in outs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs, finished,
-                             RequestMetrics(req.arrival_time, None, None, None))  # fmt: skip
+                             RequestMetrics(req.arrival_time, None, None, None), req.error)  # fmt: skip

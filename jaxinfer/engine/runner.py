@@ -334,21 +334,25 @@ class ModelRunner:
             self.attn_impl, self.mesh, prompt_lp,
         )  # fmt: skip
 
-    def warmup(self, advanced: bool = True, progress: Callable[[int, int], None] | None = None) -> float:
-        """Compiles every bucket (and the penalties/bias variant) by running all-padding steps, which write
-        nothing. Returns the seconds taken. `progress(done, total)` is called after each bucket compiles."""
+    def warmup(
+        self, advanced: bool = True, prompt_logprobs: bool = False, progress: Callable[[int, int], None] | None = None
+    ) -> float:
+        """Compiles every bucket (and the penalties/bias variant, and with `prompt_logprobs` the variant that
+        scores every prompt token) by running all-padding steps, which write nothing. Returns the seconds taken.
+        `progress(done, total)` is called after each bucket compiles."""
         t0 = time.perf_counter()
         shapes = [(True, s, s) for s in self.seq_buckets] + [
             (False, t, self.cc.max_num_seqs) for t in self.token_buckets
         ]
-        done, total = 0, len(shapes) * (2 if advanced else 1)
+        done, total = 0, len(shapes) * (2 if advanced else 1) * (2 if prompt_logprobs else 1)
         for adv in (False, True) if advanced else (False,):
-            for decode_only, t, s in shapes:
-                inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
-                st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
-                out, _ = self.launch(inp, st, decode_only, adv, False)
-                done += 1
-                if progress is not None:  # the launch compiled the bucket before it returned
-                    progress(done, total)
+            for plp in (False, True) if prompt_logprobs else (False,):
+                for decode_only, t, s in shapes:
+                    inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
+                    st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
+                    out, _ = self.launch(inp, st, decode_only, adv, plp)
+                    done += 1
+                    if progress is not None:  # the launch compiled the bucket before it returned
+                        progress(done, total)
         jax.block_until_ready(out)
         return time.perf_counter() - t0

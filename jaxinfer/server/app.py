@@ -106,6 +106,7 @@ def build_app(args: ServerArgs, loader: Loader | None = None) -> FastAPI:
             state.start_loading()
         yield
         state.shutdown()
+        ctx.close()
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx

@@ -43,6 +43,17 @@ class ServerArgs:
     compilation_cache_dir: str | None = None
     enable_compilation_cache: bool = True
     max_body_bytes: int = 4 * 2**20
+    # Fan-out caps: what one request may make the server hold (each past its cap is a 400 naming the parameter).
+    max_n: int = 128  # samples per prompt (OpenAI's own bound)
+    max_prompts: int = 256  # prompts in one /v1/completions request
+    max_stop: int = 16  # stop strings
+    max_stop_len: int = 256  # characters in one stop string
+    max_stop_token_ids: int = 256
+    # A stream whose client stops reading (without disconnecting) is aborted after this many seconds without
+    # progress, or once this many outputs wait for it: its KV pages and buffered output cannot pile up.
+    stream_stall_timeout: float = 60.0
+    max_stream_buffer: int = 1024
+    tokenizer_threads: int = 4  # tokenization, chat templates and validation off the event loop
     engine_process: bool = True  # the engine core in its own process (ignored with an injected loader)
     overlap_scheduling: bool = True  # dispatch each step before reading the previous one's tokens
     step_timeline: bool = False  # time every step (device busy / idle, host) for /metrics
@@ -56,6 +67,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -105,7 +123,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV page")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--max-logprobs", type=int, default=20, help="most top alternatives a request may ask for")
+    p.add_argument("--max-logprobs", type=_positive_int, default=20,
+                   help="most top alternatives a request may ask for (computed every step)")  # fmt: skip
     p.add_argument("--seed", type=int, default=None, help="seed for requests that bring none")
     p.add_argument(
         "--api-key",
@@ -116,8 +135,21 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-waiting",
         type=int,
         default=None,
-        help="requests that may wait for a first token; more get 429 (default: no bound)",
+        help="sequences (prompts x n) that may wait for a first token; more get 429 (default: no bound)",
     )
+    caps = p.add_argument_group("per-request bounds (each past its bound is a 400 naming the parameter)")
+    caps.add_argument("--max-n", type=_positive_int, default=128, help="most samples per prompt (n)")
+    caps.add_argument("--max-prompts", type=_positive_int, default=256, help="most prompts in one completions request")
+    caps.add_argument("--max-stop", type=_positive_int, default=16, help="most stop strings")
+    caps.add_argument("--max-stop-len", type=_positive_int, default=256, help="most characters in one stop string")
+    caps.add_argument("--max-stop-token-ids", type=_positive_int, default=256, help="most stop_token_ids")
+    caps.add_argument("--stream-stall-timeout", type=_positive_float, default=60.0,
+                      help="seconds a stream may make no progress while output waits for its client (a client that"
+                      " stopped reading) before its request is aborted")  # fmt: skip
+    caps.add_argument("--max-stream-buffer", type=_positive_int, default=1024,
+                      help="outputs that may wait for a stream's client before its request is aborted")  # fmt: skip
+    caps.add_argument("--tokenizer-threads", type=_positive_int, default=4,
+                      help="threads for tokenization, chat templates and validation (off the event loop)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="devices each replica spans")
     p.add_argument("--data-parallel-size", type=_positive_int, default=1, help="model replicas in this process")

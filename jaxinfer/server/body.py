@@ -85,11 +85,19 @@ def validation_error(e: ValidationError) -> APIError:
     return bad_request(f"{param}: {detail}", param)
 
 
-async def parse_request(request: Request, model: type[M], limit: int) -> M:
-    data = parse_json(await read_body(request, limit))
+def parse_body(raw: bytes, model: type[M]) -> M:
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+
+
+async def parse_request(request: Request, model: type[M], limit: int, off_loop=None) -> M:
+    """The body as `model`; with `off_loop` (ServingContext.off_loop) JSON and model validation run on a thread."""
+    raw = await read_body(request, limit)
+    if off_loop is None:
+        return parse_body(raw, model)
+    return await off_loop(parse_body, raw, model)

@@ -10,12 +10,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxinfer.server.body import parse_request
-from jaxinfer.server.context import ServingContext, new_id
+from jaxinfer.server.context import ServingContext, request_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request
 from jaxinfer.server.logprobs import chat_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage
-from jaxinfer.server.sampling import chat_params, check_prompt_fits, reject_unsupported
+from jaxinfer.server.sampling import chat_params, check_fanout, check_prompt_fits, reject_unsupported
 from jaxinfer.server.state import Ticket
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
 from jaxinfer.tokenizer import ChatTemplateError, Tokenizer
@@ -42,11 +42,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
-    req = await parse_request(request, ChatCompletionRequest, ctx.args.max_body_bytes)
-    engine = ctx.state.require_ready()
-    model = ctx.model_name(req.model)
-    reject_unsupported(req)
+def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str) -> EngineRequest:
+    """Chat template, tokenization and validation (on the thread pool: long conversations take a while)."""
     text = render_chat(ctx.tokenizer, req.messages)
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template already wrote BOS where wanted
     check_prompt_fits(len(ids), ctx.context_tokens, "messages")
@@ -55,10 +52,19 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         ids = engine.validate(ids, params)
     except ValueError as e:
         raise from_value_error(e, renames) from None
-    rid = new_id("chatcmpl")
-    sub = EngineRequest(rid, text, ids, params)
-    ticket = ctx.state.admit(1)
-    view = _View(ctx, req, sub, model)
+    return EngineRequest(rid, text, ids, params)
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+    req = await parse_request(request, ChatCompletionRequest, ctx.args.max_body_bytes, ctx.off_loop)
+    engine = ctx.state.require_ready()
+    model = ctx.model_name(req.model)
+    reject_unsupported(req)
+    check_fanout(req, ctx.args)
+    rid, engine_id = request_id(request, "chatcmpl")
+    sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id)
+    ticket = ctx.state.admit(1, req.n)
+    view = _View(ctx, req, sub, model, rid)
     if req.stream:
         return TrackedStream(view.stream(ticket), ticket.release)
     try:
@@ -73,8 +79,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 class _View:
     """Engine outputs -> OpenAI's chat.completion / chat.completion.chunk objects."""
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, sub: EngineRequest, model: str):
-        self.ctx, self.req, self.sub, self.model = ctx, req, sub, model
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, sub: EngineRequest, model: str, rid: str):
+        self.ctx, self.req, self.sub, self.model, self.rid = ctx, req, sub, model, rid
         self.created = int(time.time())
 
     def _logprobs(self, token_ids, entries) -> dict | None:
@@ -91,7 +97,7 @@ class _View:
         }
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
-        return {"id": self.sub.request_id, "object": kind, "created": self.created, "model": self.model,
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}  # fmt: skip
 
     def response(self, final: RequestOutput) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -9,12 +10,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxinfer.server.body import parse_request
-from jaxinfer.server.context import ServingContext, new_id
+from jaxinfer.server.context import ServingContext, request_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request
 from jaxinfer.server.logprobs import completion_logprobs, join_logprobs
 from jaxinfer.server.protocol import CompletionRequest
-from jaxinfer.server.sampling import check_prompt_fits, completion_params, reject_unsupported
+from jaxinfer.server.sampling import (
+    check_fanout,
+    check_prompt_fits,
+    completion_params,
+    prompt_only,
+    reject_unsupported,
+)
 from jaxinfer.server.state import Ticket
 from jaxinfer.server.streaming import (
     SSE_DONE,
@@ -39,6 +46,9 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
         items = list(p)
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
+    if len(items) > ctx.args.max_prompts:
+        raise bad_request(f"prompt: at most {ctx.args.max_prompts} prompts per request (--max-prompts), got "
+                          f"{len(items)}", "prompt")  # fmt: skip
     out = []
     for item in items:
         if not item:
@@ -50,13 +60,11 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
     return out
 
 
-async def create_completion(ctx: ServingContext, request: Request) -> Response:
-    req = await parse_request(request, CompletionRequest, ctx.args.max_body_bytes)
-    engine = ctx.state.require_ready()
-    model = ctx.model_name(req.model)
-    reject_unsupported(req)
+def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix: str) -> list[EngineRequest]:
+    """Tokenizes and validates every prompt (on the thread pool: large prompts take a while)."""
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be >= 1 (0 only with echo, which returns the scored prompt)", "max_tokens")
     subs = []
-    rid = new_id("cmpl")
     for i, (text, ids) in enumerate(_prompts(req, ctx)):
         check_prompt_fits(len(ids), ctx.context_tokens, "prompt")
         params = completion_params(req, len(ids), ctx.context_tokens)
@@ -64,8 +72,19 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             ids = engine.validate(ids, params)
         except ValueError as e:
             raise from_value_error(e) from None
-        subs.append(EngineRequest(f"{rid}-{i}", text, ids, params))
-    ticket = ctx.state.admit(len(subs))
+        subs.append(EngineRequest(f"{prefix}-{i}", text, ids, params))
+    return subs
+
+
+async def create_completion(ctx: ServingContext, request: Request) -> Response:
+    req = await parse_request(request, CompletionRequest, ctx.args.max_body_bytes, ctx.off_loop)
+    engine = ctx.state.require_ready()
+    model = ctx.model_name(req.model)
+    reject_unsupported(req)
+    check_fanout(req, ctx.args)
+    rid, prefix = request_id(request, "cmpl")
+    subs = await ctx.off_loop(_engine_requests, ctx, req, engine, prefix)
+    ticket = ctx.state.admit(len(subs), req.n)
     view = _View(ctx, req, subs, rid, model)
     if req.stream:
         return TrackedStream(view.stream(ticket), ticket.release)
@@ -87,6 +106,15 @@ class _View:
         self.ctx, self.req, self.subs, self.rid, self.model = ctx, req, subs, rid, model
         self.created = int(time.time())
         self.n = req.n
+        self.prompt_only = prompt_only(req)
+
+    def _visible(self, out: RequestOutput) -> RequestOutput:
+        """echo with max_tokens 0: the one token the engine made while scoring the prompt is not part of it."""
+        if not self.prompt_only:
+            return out
+        outs = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                    cumulative_logprob=None) for c in out.outputs]  # fmt: skip
+        return dataclasses.replace(out, outputs=outs)
 
     def _echo(self, sub: EngineRequest) -> str:
         if not self.req.echo:
@@ -130,6 +158,7 @@ class _View:
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = []
+        finals = [self._visible(out) for out in finals]
         for i, (sub, out) in enumerate(zip(self.subs, finals, strict=True)):
             echo = self._echo(sub)
             for c in out.outputs:
@@ -153,6 +182,7 @@ class _View:
         streams = [run_request(self.ctx.state, self.ctx.metrics, s, ticket, i) for i, s in enumerate(self.subs)]
         try:
             async for i, out in merge(streams):
+                out = self._visible(out)
                 for c in out.outputs:
                     idx = i * self.n + c.index
                     if idx in finished:

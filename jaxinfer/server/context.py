@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import re
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from starlette.requests import Request
 
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import APIError
@@ -12,6 +20,8 @@ from jaxinfer.server.logprobs import TokenText
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.state import ServerState
 from jaxinfer.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -21,6 +31,18 @@ class ServingContext:
     metrics: Metrics
     _token_text: TokenText | None = field(default=None, init=False)
     created: int = field(default_factory=lambda: int(time.time()))
+    _pool: ThreadPoolExecutor | None = field(default=None, init=False)
+
+    async def off_loop(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """Runs CPU work (JSON and model validation of large bodies, chat templates, tokenization) on the thread
+        pool, so that one big request never stalls the event loop's other streams."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.args.tokenizer_threads, thread_name_prefix="jaxinfer-cpu")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -50,3 +72,18 @@ class ServingContext:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_id(request: Request, prefix: str) -> tuple[str, str]:
+    """(the response's id, the prefix of its engine request ids). A client's `X-Request-Id` (vLLM honours it too)
+    names the response and starts the engine ids, which stay unique whatever the client sends."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        rid = new_id(prefix)
+        return rid, rid
+    if not _CLIENT_ID.match(given):
+        raise APIError(400, "X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", "X-Request-Id")
+    return given, f"{given}-{uuid.uuid4().hex[:12]}"

@@ -37,6 +37,9 @@ async def run_request(
     try:
         async with aclosing(engine.generate(req.prompt_ids, req.params, req.request_id, req.prompt)) as outputs:
             async for out in outputs:
+                if out.error is not None:  # this request failed in the engine; the others go on
+                    final = out
+                    raise APIError(500, f"the request failed in the engine: {out.error}", code="engine_error")
                 now = time.monotonic()
                 tokens = sum(len(c.token_ids) for c in out.outputs)
                 if tokens > num_tokens:
@@ -52,7 +55,7 @@ async def run_request(
                     final = out
                 yield out
     except Exception as e:
-        if engine.alive:
+        if engine.alive or isinstance(e, APIError):
             raise
         # AsyncEngine raises its EngineDeadError to every waiting caller when its thread dies.
         raise APIError(503, f"the engine stopped: {e}", code="engine_dead") from e

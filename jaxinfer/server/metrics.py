@@ -30,8 +30,10 @@ class _EngineCollector(Collector):
         running = waiting = used = total = 0
         hit_rate = 0.0
         timeline: dict = {}
+        compiles = 0
         if s.engine is not None and hasattr(s.engine, "stats"):  # MPAsyncEngine: what the core last reported
             st = s.engine.stats()
+            compiles = st.compiles
             running, waiting, used, total, hit_rate = st.running, st.waiting, st.pages_used, st.pages_total, st.hit_rate
             if st.idle_share is not None:
                 timeline = {"idle_share": st.idle_share, "device_ms": st.device_ms, "host_ms": st.host_ms}
@@ -43,6 +45,9 @@ class _EngineCollector(Collector):
             used, total = engine.allocator.num_used, engine.allocator.num_pages
             hit_rate = engine.allocator.hit_rate
             timeline = timeline_stats(engine)
+            from jaxinfer.engine.core_process import compile_count
+
+            compiles = compile_count()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"jaxinfer:{name}", doc, value=value)
@@ -56,6 +61,8 @@ class _EngineCollector(Collector):
                     min(1.0, max(0.0, used / total)) if total else 0.0)  # fmt: skip
         yield gauge("kv_cache_used_pages", "KV cache pages in use", used)
         yield gauge("kv_cache_total_pages", "KV cache pages in the pool", total)
+        yield gauge("engine_compilations", "XLA compilations in the engine's process so far (serving adds none)",
+                    compiles)  # fmt: skip
         yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
                     hit_rate)  # fmt: skip
         if timeline:  # --step-timeline

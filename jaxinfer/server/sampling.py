@@ -5,6 +5,7 @@ SamplingParams validates every value and names the field in its ValueError; that
 
 from __future__ import annotations
 
+from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from jaxinfer.types import SamplingParams
@@ -15,6 +16,23 @@ def reject_unsupported(req: SamplingRequest) -> None:
         raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def check_fanout(req: SamplingRequest, args: ServerArgs, renames: dict[str, str] | None = None) -> None:
+    """The per-request bounds of the server's flags (--max-n, --max-stop, ...): 400s naming the parameter."""
+    if req.n > args.max_n:
+        raise bad_request(f"n must be at most {args.max_n} (--max-n), got {req.n}", "n")
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stop) > args.max_stop:
+        raise bad_request(f"stop: at most {args.max_stop} stop strings (--max-stop), got {len(stop)}", "stop")
+    longest = max(map(len, stop), default=0)
+    if longest > args.max_stop_len:
+        raise bad_request(f"stop: each stop string has at most {args.max_stop_len} characters (--max-stop-len), got "
+                          f"{longest}", "stop")  # fmt: skip
+    ids = req.stop_token_ids or []
+    if len(ids) > args.max_stop_token_ids:
+        raise bad_request(f"stop_token_ids: at most {args.max_stop_token_ids} (--max-stop-token-ids), got {len(ids)}",
+                          "stop_token_ids")  # fmt: skip
 
 
 def _or(value, default):
@@ -59,9 +77,16 @@ def completion_params(req: CompletionRequest, prompt_len: int, context: int) -> 
         raise bad_request("best_of other than n is not supported by this server", "best_of", "unsupported_parameter")
     # vLLM: an explicit null means "as many as fit".
     max_tokens = req.max_tokens if req.max_tokens is not None else max(1, context - prompt_len)
+    if prompt_only(req):  # the engine runs one step (scoring the prompt); its token is dropped
+        max_tokens = 1
     # echo with logprobs also scores the echoed prompt tokens (OpenAI, vLLM): the engine's prompt logprobs.
     prompt_logprobs = req.logprobs if req.echo else None
     return build_params(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def prompt_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: scoring clients ask for the prompt (and its logprobs) alone, as vLLM answers."""
+    return req.echo and req.max_tokens == 0
 
 
 def chat_params(req: ChatCompletionRequest, prompt_len: int, context: int) -> tuple[SamplingParams, dict[str, str]]:

@@ -55,7 +55,7 @@ class ServerState:
         self.kv_tokens = 0
         self.max_logprobs = args.max_logprobs
         self.in_flight = 0  # engine requests admitted and not finished
-        self.waiting = 0  # of those, the ones without a first token yet (the --max-waiting bound)
+        self.waiting = 0  # sequences (prompts x n) without a first token yet (the --max-waiting bound)
         self.on_fatal: Callable[[], None] | None = None  # set by the runner: stop serving when loading fails
         # Set by the runner: the engine process died after start-up (called from a reader thread; flags only).
         self.on_engine_dead: Callable[[], None] | None = None
@@ -106,9 +106,11 @@ class ServerState:
         from jaxinfer.engine.async_engine import AsyncEngine
 
         engine, tokenizer = self._loader(self.args)
-        # Compile every step shape now, so that no request waits for a compilation.
-        warm = engine.runner.warmup()
-        log.info("compiled steps warmed up in %.1fs", warm)
+        # Compile every program variant a request can select now (prompt logprobs included), so that no
+        # request waits for a compilation.
+        from jaxinfer.startup import warm_up
+
+        log.info("compiled steps warmed up in %.1fs", warm_up(engine, prompt_logprobs=True).seconds)
         self.tokenizer = tokenizer
         self.max_model_len = engine.cc.max_model_len
         self.kv_tokens = engine.runner.num_kv_tokens
@@ -167,38 +169,42 @@ class ServerState:
         assert self.engine is not None
         return self.engine
 
-    def admit(self, num_requests: int) -> Ticket:
-        """Counts `num_requests` engine requests in, or raises 503/429 without counting anything."""
+    def admit(self, num_requests: int, seqs_per_request: int = 1) -> Ticket:
+        """Counts `num_requests` engine requests of `seqs_per_request` sequences each (n) in, or raises 503/429
+        without counting anything. --max-waiting bounds sequences: one request with n = 100 is 100 of them."""
         self.require_ready()
         bound = self.args.max_waiting
-        if bound is not None and self.waiting + num_requests > bound:
+        seqs = num_requests * seqs_per_request
+        if bound is not None and self.waiting + seqs > bound:
             raise APIError(
-                429, f"too many requests are waiting ({self.waiting}, at most {bound}); retry later", code="queue_full"
-            )
+                429, f"too many sequences are waiting ({self.waiting} + {seqs}, at most {bound}); retry later",
+                code="queue_full",
+            )  # fmt: skip
         self.in_flight += num_requests
-        self.waiting += num_requests
-        return Ticket(self, num_requests)
+        self.waiting += seqs
+        return Ticket(self, num_requests, seqs_per_request)
 
 
 class Ticket:
     """One HTTP request's share of the admission counters; `release` is idempotent and always called."""
 
-    def __init__(self, state: ServerState, num_requests: int):
+    def __init__(self, state: ServerState, num_requests: int, seqs_per_request: int = 1):
         self._state = state
         self._unstarted = set(range(num_requests))
         self._count = num_requests
+        self._seqs = seqs_per_request
         self._released = False
 
     def started(self, i: int) -> None:
-        """Engine request `i` got its first token: it no longer counts as waiting."""
+        """Engine request `i` got its first token: its sequences no longer count as waiting."""
         if i in self._unstarted:
             self._unstarted.discard(i)
-            self._state.waiting -= 1
+            self._state.waiting -= self._seqs
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
-        self._state.waiting -= len(self._unstarted)
+        self._state.waiting -= len(self._unstarted) * self._seqs
         self._unstarted.clear()
         self._state.in_flight -= self._count

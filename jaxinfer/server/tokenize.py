@@ -13,9 +13,13 @@ from jaxinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 
 
 async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
-    req = await parse_request(request, TokenizeRequest, ctx.args.max_body_bytes)
+    req = await parse_request(request, TokenizeRequest, ctx.args.max_body_bytes, ctx.off_loop)
     ctx.state.require_ready()
     ctx.model_name(req.model)
+    return JSONResponse(await ctx.off_loop(_tokenize, ctx, req))  # templates and tokenization off the event loop
+
+
+def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     tk = ctx.tokenizer
@@ -25,19 +29,19 @@ async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
     else:
         assert req.prompt is not None
         ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-    return JSONResponse({
+    return {
         "count": len(ids),
         "max_model_len": ctx.state.max_model_len,
         "tokens": ids,
         "token_strs": [tk.id_to_token(i) for i in ids] if req.return_token_strs else None,
-    })  # fmt: skip
+    }
 
 
 async def detokenize(ctx: ServingContext, request: Request) -> JSONResponse:
-    req = await parse_request(request, DetokenizeRequest, ctx.args.max_body_bytes)
+    req = await parse_request(request, DetokenizeRequest, ctx.args.max_body_bytes, ctx.off_loop)
     ctx.state.require_ready()
     ctx.model_name(req.model)
     vocab = ctx.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise bad_request(f"tokens: token ids must be in [0, {vocab})", "tokens")
-    return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+    return JSONResponse({"prompt": await ctx.off_loop(ctx.tokenizer.decode, req.tokens)})

@@ -122,7 +122,7 @@ def test_penalties_change_greedy_output(smol):
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
-     ({"top_k": -2}, "top_k"), ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop"), ({"min_p": 2}, "min_p")],
+     ({"top_k": -2}, "top_k"), ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"), ({"min_p": 2}, "min_p")],
 )  # fmt: skip
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -234,8 +234,11 @@ def test_params_and_limits(served):
     assert params(logprobs=2).prompt_logprobs is None
     assert params(echo=True).prompt_logprobs is None
     client = served[0]
-    # max_tokens 0 (vLLM's "score the prompt only") stays a 400 here, as every max_tokens below 1 does.
+    # max_tokens 0 with echo is vLLM's "score the prompt only" (tests/server/test_never_down.py checks the scores);
+    # without echo it is a 400, as every max_tokens below 1 is.
     r = client.post("/v1/completions", json={**BODY, "max_tokens": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text
+    r = client.post("/v1/completions", json={**BODY, "max_tokens": 0, "echo": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = client.post("/v1/completions", json={**BODY, "logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

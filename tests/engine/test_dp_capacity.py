@@ -1,0 +1,65 @@
+"""Data-parallel replicas with unequal KV pools (unequal free memory): each validates against its own capacity, a
+request too large for one replica goes to the other, and one that fits no replica is a ValueError naming
+max_tokens (a 400 on the server), never a request that waits forever.
+
+jax fixes the device count when it starts, so the test runs in a child pytest with 8 CPU devices, as
+tests/sharding/test_mesh.py does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHILD = os.environ.get("JAXINFER_DP_CHILD") == "1"
+
+
+@pytest.mark.skipif(CHILD, reason="the parent launcher")
+def test_dp_capacity_on_8_cpu_devices():
+    env = {**os.environ, "JAXINFER_DP_CHILD": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__], env=env,
+                       capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout
+
+
+@pytest.mark.skipif(not CHILD, reason="runs inside the 8-device child process")
+def test_unequal_replicas_route_by_capacity(monkeypatch):
+    import jax
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine import runner
+    from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
+    from jaxinfer.engine.runner import CacheConfig, kv_bytes_per_token
+    from jaxinfer.model import init_params
+    from jaxinfer.sharding import make_mesh
+    from jaxinfer.types import SamplingParams
+
+    assert jax.device_count() == 8
+    cfg = ModelConfig(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                      num_kv_heads=8, head_dim=8, max_position_embeddings=256)  # fmt: skip
+    cc = CacheConfig(page_size=8, max_model_len=200, max_num_seqs=4, max_num_batched_tokens=32, memory_fraction=0.5)
+    page_bytes = kv_bytes_per_token(cfg) * cc.page_size
+    free = iter([2 * 6 * page_bytes, 2 * 24 * page_bytes])  # replica 0: 6 pages (48 tokens), replica 1: 24 (192)
+    monkeypatch.setattr(runner, "_free_device_bytes", lambda: next(free))
+    mesh = make_mesh(1, 2)
+    params = jax.device_put(
+        init_params(cfg, seed=0), jax.sharding.NamedSharding(replica_meshes(mesh)[0], jax.sharding.PartitionSpec())
+    )
+    eng = DataParallelEngine(cfg, params, mesh, cc, eos_token_ids=())
+    assert [e.allocator.num_pages for e in eng.replicas] == [6, 24]
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    small, large = eng.add_request([1, 2, 3], sp), eng.add_request(list(range(1, 90)) + [5] * 60, sp)
+    assert eng._owner[large] is eng.replicas[1]  # 169 tokens: only replica 1 holds them, whatever the load
+    # A request that fits no replica: a clear error (the largest replica's), nothing queued.
+    with pytest.raises(ValueError, match="^max_tokens: .*pool holds 192"):
+        eng.add_request([1] * 150, SamplingParams(max_tokens=45))
+    done = {}
+    while eng.has_unfinished():
+        for u in eng.step():
+            done.setdefault(u.request_id, []).extend(u.new_token_ids)
+    assert len(done[small]) == len(done[large]) == 20
+    assert all(e.allocator.num_free == e.allocator.num_pages for e in eng.replicas)

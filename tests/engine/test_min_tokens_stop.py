@@ -1,0 +1,31 @@
+"""min_tokens holds back stop strings as vLLM v1 does: none is checked until min_tokens tokens are out."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer.engine.output import OutputProcessor
+from jaxinfer.model_files import smollm2_gguf
+from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.types import SamplingParams, SeqUpdate
+
+
+@pytest.mark.parametrize("min_tokens,text", [(0, " "), (1, " a b "), (3, " a b a b ")])
+def test_stop_strings_wait_for_min_tokens(min_tokens, text):
+    tok = load_tokenizer(smollm2_gguf())
+    ids = tok.encode(" a b a b a b a", add_special_tokens=False)
+    assert [tok.decode([i]) for i in ids[:5]] == [" a", " b", " a", " b", " a"]
+    proc = OutputProcessor(tok)
+    proc.add("r", None, tok.encode("x", add_special_tokens=False),
+             SamplingParams(max_tokens=20, stop=["a"], min_tokens=min_tokens))  # fmt: skip
+    out, to_stop = None, []
+    for t in ids:
+        outs, stops = proc.process([SeqUpdate("r", [t], [], False, None)])
+        to_stop += stops
+        if outs:
+            out = outs[0]
+        if to_stop:
+            break
+    c = out.outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (text, "stop", "a")
+    assert len(c.token_ids) > min_tokens
