@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
+from jaxinfer.cache.sizing import parse_bytes
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
@@ -42,6 +43,7 @@ def build_engine(
     block_size: int = 16,
     num_kv_tokens: int | None = None,
     gpu_memory_utilization: float = 0.5,
+    kv_cache_memory: int | str | None = None,
     enable_prefix_caching: bool = True,
     max_logprobs: int = 20,
     seed: int | None = None,
@@ -53,7 +55,9 @@ def build_engine(
 ) -> tuple[Engine | DataParallelEngine, Tokenizer]:
     """The engine and tokenizer behind `LLM` and the server, from vLLM-named settings. `compilation_cache` may
     be a directory for jax's persistent compilation cache. `overlap_scheduling` dispatches each step before the
-    previous one's tokens are read on the host (same outputs; turn it off to debug the plain loop)."""
+    previous one's tokens are read on the host (same outputs; turn it off to debug the plain loop).
+    `kv_cache_memory` caps the KV pool's bytes per device (an int, or text like "4GiB"); see jaxinfer.cache.sizing
+    for the defaults (on CPU: what the scheduler can address, at most 2 GiB)."""
     if compilation_cache:
         # A second start then restores the compiled steps instead of compiling them again.
         enable_compilation_cache(compilation_cache if isinstance(compilation_cache, str) else None)
@@ -75,6 +79,7 @@ def build_engine(
         page_size=block_size,
         num_pages=-(-num_kv_tokens // block_size) if num_kv_tokens else None,
         memory_fraction=gpu_memory_utilization,
+        kv_cache_memory=parse_bytes(kv_cache_memory),
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or max(256, max_num_seqs),
@@ -95,8 +100,8 @@ def build_engine(
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
         """`settings` are `build_engine`'s: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
-        num_kv_tokens, gpu_memory_utilization, enable_prefix_caching, max_logprobs, seed, tensor_parallel_size,
-        data_parallel_size, attn_impl, compilation_cache, overlap_scheduling."""
+        num_kv_tokens, gpu_memory_utilization, kv_cache_memory, enable_prefix_caching, max_logprobs, seed,
+        tensor_parallel_size, data_parallel_size, attn_impl, compilation_cache, overlap_scheduling."""
         self.model = model
         self.engine, self.tokenizer = build_engine(model, **settings)
         self.processor = OutputProcessor(self.tokenizer)
