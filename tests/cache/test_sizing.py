@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer.cache.sizing import CPU_DEFAULT_BUDGET, PREFIX_CACHE_MARGIN, page_bytes_per_device, parse_bytes, \
-    size_kv_pool  # fmt: skip
+from jaxinfer.cache.sizing import (
+    CPU_DEFAULT_BUDGET,
+    PREFIX_CACHE_MARGIN,
+    page_bytes_per_device,
+    parse_bytes,
+    size_kv_pool,
+)
 
 GiB = 2**30
 
