@@ -57,7 +57,7 @@ def build_engine(
     be a directory for jax's persistent compilation cache. `overlap_scheduling` dispatches each step before the
     previous one's tokens are read on the host (same outputs; turn it off to debug the plain loop).
     `kv_cache_memory` caps the KV pool's bytes per device (an int, or text like "4GiB"); see jaxinfer.cache.sizing
-    for the defaults (on CPU: what the scheduler can address, at most 2 GiB)."""
+    for the defaults (on CPU: what the scheduler can address, at most 1.5 GiB)."""
     if compilation_cache:
         # A second start then restores the compiled steps instead of compiling them again.
         enable_compilation_cache(compilation_cache if isinstance(compilation_cache, str) else None)

@@ -103,7 +103,7 @@ def make_parser() -> argparse.ArgumentParser:
         type=_byte_size,
         default=None,
         help="most KV cache bytes per device, e.g. 4GiB or 2000000000 (CPU default: what the scheduler can "
-        "address, at most 2GiB)",
+        "address, at most 1.5GiB)",
     )
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV page")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
