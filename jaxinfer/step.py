@@ -55,6 +55,45 @@ def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class BucketTable:
+    """The shapes a runner compiles. decode: S (= T) rows; mixed: T tokens over `max_num_seqs` rows; both over a
+    page table narrowed to `page_buckets` columns, so attention reads the live pages, not `max_model_len` of them
+    (every implementation ignores table entries past a row's length; see kernels_pallas.reference)."""
+
+    seq_buckets: tuple[int, ...]
+    token_buckets: tuple[int, ...]
+    page_buckets: tuple[int, ...]
+
+
+# Per backend: (smallest decode batch, smallest token bucket, smallest page bucket or None for the full width).
+# CPU: batch-1 decode runs at batch 1 (a row costs its full share of the matmuls there), and the page table is
+# narrowed in powers of two from 16 pages, since the attention cost follows the table width. The accelerator
+# kernels read only live pages themselves, so one full-width table keeps their compile count down.
+BUCKET_TABLE: dict[str, tuple[int, int, int | None]] = {
+    "cpu": (1, 32, 16),
+    "gpu": (8, 32, None),
+    "tpu": (8, 32, None),
+}
+
+
+def bucket_table(
+    backend: str, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int, narrow_pages: bool = True
+) -> BucketTable:
+    """The bucket sets for this backend (an unknown backend gets the GPU row)."""
+    seq_lo, tok_lo, page_lo = BUCKET_TABLE.get(backend, BUCKET_TABLE["gpu"])
+    pages = (
+        power_of_two_buckets(min(page_lo, pages_per_seq), pages_per_seq)
+        if page_lo is not None and narrow_pages
+        else (pages_per_seq,)
+    )
+    return BucketTable(
+        power_of_two_buckets(min(seq_lo, max_num_seqs), max_num_seqs),
+        power_of_two_buckets(min(tok_lo, max_num_batched_tokens), max_num_batched_tokens),
+        pages,
+    )
+
+
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if n <= b:

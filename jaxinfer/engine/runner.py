@@ -9,6 +9,7 @@ Both write the new K/V into the donated pools in place and sample on device.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -39,7 +40,7 @@ from jaxinfer.sampling import (
     sample,
 )
 from jaxinfer.sharding import KV_POOL_AXES, MODEL, spec
-from jaxinfer.step import StepInputs, StepPacker, pack, pick_bucket, power_of_two_buckets
+from jaxinfer.step import StepInputs, StepPacker, bucket_table, pack, pick_bucket
 
 log = logging.getLogger(__name__)
 
@@ -267,8 +268,12 @@ class ModelRunner:
         # The last step's sampled tokens, kept on device for the next step's placeholders (overlap scheduling).
         # Every process of a multi-process mesh runs the same steps, so each keeps the same feed.
         self.feed = jax.device_put(np.zeros(cache.max_num_seqs, np.int32), self._replicated)
-        self.seq_buckets = power_of_two_buckets(min(8, cache.max_num_seqs), cache.max_num_seqs)
-        self.token_buckets = power_of_two_buckets(min(32, cache.max_num_batched_tokens), cache.max_num_batched_tokens)
+        # A multi-process mesh keeps the full page table: followers rebuild each step's shapes from (T, S) alone.
+        self.buckets = bucket_table(
+            jax.default_backend(), cache.max_num_seqs, cache.max_num_batched_tokens, cache.pages_per_seq,
+            narrow_pages=jax.process_count() == 1,
+        )  # fmt: skip
+        self.seq_buckets, self.token_buckets = self.buckets.seq_buckets, self.buckets.token_buckets
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB in all); up to %d sequences of %d tokens. "
             "Chosen: %s",
@@ -288,6 +293,16 @@ class ModelRunner:
             return True, s, s
         return False, pick_bucket(num_tokens, self.token_buckets), self.cc.max_num_seqs
 
+    def narrow(self, inp: StepInputs, chunks: list) -> StepInputs:
+        """The step's page table cut to the page bucket of its longest sequence (attention then reads live pages).
+        The packer's buffer is left whole; the slice is a view that `to_flat` copies."""
+        ps = self.cc.page_size
+        live = max((-(-(c.start + len(c.token_ids)) // ps) for c in chunks), default=1)
+        width = pick_bucket(max(1, live), self.buckets.page_buckets)
+        if width == inp.page_table.shape[1]:
+            return inp
+        return dataclasses.replace(inp, page_table=inp.page_table[:, :width])
+
     def dispatch(
         self, chunks: list, rows: list[RowSampling], prompt_logprobs: bool = False, host_start: float | None = None
     ) -> tuple:
@@ -295,7 +310,7 @@ class ModelRunner:
         (a pending handle for `collect`). `host_start`: when the caller began preparing the step (timeline)."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
         decode_only, t, s = self.bucket_for(len(chunks), num_tokens)
-        inp = self.packer.pack(chunks, t, s)
+        inp = self.narrow(self.packer.pack(chunks, t, s), chunks)
         advanced = needs_advanced(rows)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
         out, prompt_lp = self.launch(inp, st, decode_only, advanced, prompt_logprobs)
@@ -341,8 +356,8 @@ class ModelRunner:
             (False, t, self.cc.max_num_seqs) for t in self.token_buckets
         ]
         for adv in (False, True) if advanced else (False,):
-            for decode_only, t, s in shapes:
-                inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
+            for (decode_only, t, s), w in itertools.product(shapes, self.buckets.page_buckets):
+                inp = pack([], t, s, w, self.cc.page_size)
                 st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
                 out, _ = self.launch(inp, st, decode_only, adv, False)
         jax.block_until_ready(out)
