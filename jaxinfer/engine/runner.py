@@ -40,7 +40,7 @@ from jaxinfer.sampling import (
     sample,
 )
 from jaxinfer.sharding import KV_POOL_AXES, MODEL, spec
-from jaxinfer.step import StepInputs, StepPacker, bucket_table, pack, pick_bucket
+from jaxinfer.step import StepInputs, StepPacker, bucket_table, narrow, pack, pick_bucket
 
 log = logging.getLogger(__name__)
 
@@ -293,16 +293,6 @@ class ModelRunner:
             return True, s, s
         return False, pick_bucket(num_tokens, self.token_buckets), self.cc.max_num_seqs
 
-    def narrow(self, inp: StepInputs, chunks: list) -> StepInputs:
-        """The step's page table cut to the page bucket of its longest sequence (attention then reads live pages).
-        The packer's buffer is left whole; the slice is a view that `to_flat` copies."""
-        ps = self.cc.page_size
-        live = max((-(-(c.start + len(c.token_ids)) // ps) for c in chunks), default=1)
-        width = pick_bucket(max(1, live), self.buckets.page_buckets)
-        if width == inp.page_table.shape[1]:
-            return inp
-        return dataclasses.replace(inp, page_table=inp.page_table[:, :width])
-
     def dispatch(
         self, chunks: list, rows: list[RowSampling], prompt_logprobs: bool = False, host_start: float | None = None
     ) -> tuple:
@@ -310,7 +300,7 @@ class ModelRunner:
         (a pending handle for `collect`). `host_start`: when the caller began preparing the step (timeline)."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
         decode_only, t, s = self.bucket_for(len(chunks), num_tokens)
-        inp = self.narrow(self.packer.pack(chunks, t, s), chunks)
+        inp = narrow(self.packer.pack(chunks, t, s), chunks, self.cc.page_size, self.buckets.page_buckets)
         advanced = needs_advanced(rows)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
         out, prompt_lp = self.launch(inp, st, decode_only, advanced, prompt_logprobs)
