@@ -14,7 +14,6 @@ T and S are rounded up to buckets, so a steady workload reuses a small, fixed se
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 
 import jax
@@ -58,53 +57,30 @@ def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class BucketTable:
-    """The shapes a runner compiles. decode: S (= T) rows; mixed: T tokens over `max_num_seqs` rows; both over a
-    page table narrowed to `page_buckets` columns, so attention reads the live pages, not `max_model_len` of them
-    (every implementation ignores table entries past a row's length; see kernels_pallas.reference)."""
+    """The shapes a runner compiles. decode: S (= T) rows; mixed: T tokens over `max_num_seqs` rows."""
 
     seq_buckets: tuple[int, ...]
     token_buckets: tuple[int, ...]
-    page_buckets: tuple[int, ...]
 
 
-# Per backend: (extra small decode batches, smallest power-of-two decode batch, smallest token bucket, smallest
-# page bucket or None for the full width). CPU: a single stream decodes at batch 1 (a padded row costs its full
-# share of the attention and sampler; 2-7 rows cost about what 8 do, the step being bound by reading the weights),
-# and the page table is narrowed in powers of two from 16 pages, since attention there costs what the table width
-# holds. The accelerator kernels read only live pages themselves: one full-width table keeps compiles down.
-BUCKET_TABLE: dict[str, tuple[tuple[int, ...], int, int, int | None]] = {
-    "cpu": ((1,), 8, 32, 16),
-    "gpu": ((), 8, 32, None),
-    "tpu": ((), 8, 32, None),
+# Per backend: (extra small decode batches, smallest power-of-two decode batch, smallest token bucket). CPU: a
+# single stream decodes at batch 1 (a padded row costs its full share of the attention and sampler there; 2-7 rows
+# cost about what 8 do, the step being bound by reading the weights). Each bucket is one more compile at start-up.
+BUCKET_TABLE: dict[str, tuple[tuple[int, ...], int, int]] = {
+    "cpu": ((1,), 8, 32),
+    "gpu": ((), 8, 32),
+    "tpu": ((), 8, 32),
 }
 
 
-def bucket_table(
-    backend: str, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int, narrow_pages: bool = True
-) -> BucketTable:
+def bucket_table(backend: str, max_num_seqs: int, max_num_batched_tokens: int) -> BucketTable:
     """The bucket sets for this backend (an unknown backend gets the GPU row)."""
-    seq_extra, seq_lo, tok_lo, page_lo = BUCKET_TABLE.get(backend, BUCKET_TABLE["gpu"])
-    pages = (
-        power_of_two_buckets(min(page_lo, pages_per_seq), pages_per_seq)
-        if page_lo is not None and narrow_pages
-        else (pages_per_seq,)
-    )
+    seq_extra, seq_lo, tok_lo = BUCKET_TABLE.get(backend, BUCKET_TABLE["gpu"])
     seqs = power_of_two_buckets(min(seq_lo, max_num_seqs), max_num_seqs)
     return BucketTable(
         tuple(sorted({*(b for b in seq_extra if b < seqs[0]), *seqs})),
         power_of_two_buckets(min(tok_lo, max_num_batched_tokens), max_num_batched_tokens),
-        pages,
     )
-
-
-def narrow(inp: StepInputs, chunks: list[SeqChunk], page_size: int, page_buckets: tuple[int, ...]) -> StepInputs:
-    """The step's page table cut to the page bucket of its longest sequence, so attention reads live pages. The
-    packer's buffer is left whole: the slice is a view (the transfer to the device copies it)."""
-    live = max((-(-(c.start + len(c.token_ids)) // page_size) for c in chunks), default=1)
-    width = pick_bucket(max(1, live), page_buckets)
-    if width == inp.page_table.shape[1]:
-        return inp
-    return dataclasses.replace(inp, page_table=inp.page_table[:, :width])
 
 
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:

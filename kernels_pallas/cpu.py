@@ -1,13 +1,13 @@
 """Paged attention for XLA:CPU: work proportional to the live tokens, in plain jnp (no Pallas backend on CPU).
 
-The reference gathers K/V once per *query token* (O(T * L) copies per layer for a prefill of T tokens over L keys).
-Here the packed query tokens are cut into blocks of at most `block_q` tokens of one sequence, and K/V are gathered
-once per *block* over the page table it is given: a prefill chunk of T tokens copies its sequence's pages T/block_q
-times instead of T times, and a decode row (a block of one token) reads exactly its own pages. The runner narrows
-the page table to the live pages (`jaxinfer.step.BucketTable.page_buckets`), so the width read follows the longest
-live sequence, not `max_model_len`. Each block attends its sequence's cached prefix and its own fresh tokens in
-one masked softmax (causal, sliding window, soft-cap), streamed over K/V chunks with an online softmax (an exact
-log-sum-exp merge) so memory stays bounded for long contexts.
+The reference gathers K/V once per *query token* (O(T * L) copies per layer for a prefill of T tokens over L keys)
+and decode reads the whole page-table width (`max_model_len`) of every row. Here the packed query tokens are cut
+into blocks of at most `block_q` tokens of one sequence, and K/V are gathered once per *block*: a prefill chunk of
+T tokens copies its sequence's pages T/block_q times instead of T times, and a decode row (a block of one token)
+reads its own pages. K/V are read in chunks of `KV_CHUNK_TOKENS` keys, only as many as the longest live sequence
+needs (a dynamic trip count), so the work follows the live context, not the table's width, and no extra shapes are
+compiled. Each block attends its sequence's cached prefix and its own fresh tokens in one masked softmax (causal,
+sliding window, soft-cap), the chunks merged exactly by an online softmax (log-sum-exp rescaling).
 
 Same contracts as `kernels_pallas.reference` (table entries past a row's length are ignored, padding tokens and
 rows with no keys give zeros).
@@ -24,7 +24,10 @@ from kernels_pallas.common import NEG_INF, apply_soft_cap, cdiv, key_mask
 # Query tokens per block: a decode row wastes at most block_q - 1 rows of a block, a prefill chunk copies its
 # pages once per block_q tokens. 16 measured best of 4/8/16/32 for SmolLM2 shapes (benchmarks/bench_attention.py).
 DEFAULT_BLOCK_Q = 16
-# Elements of gathered K (or V) per chunk of the KV loop, over all blocks (~64 MiB of f32).
+# Keys per step of the KV loop. The loop runs only as many steps as the longest live sequence needs (a dynamic
+# trip count), so however wide the page table (max_model_len), a step reads at most one chunk past the live keys.
+KV_CHUNK_TOKENS = 256
+# Elements of gathered K (or V) per chunk of the KV loop, over all blocks (~64 MiB of f32): a smaller chunk if over.
 _GATHER_BUDGET = 1 << 24
 
 
@@ -35,14 +38,14 @@ def _block_layout(
     block_q: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per block: (seq i32[NB], first token i32[NB], its index within the sequence's query i32[NB], live tokens
-    i32[NB]); NB = T // block_q + S bounds sum over sequences of ceil(q_len / block_q)."""
+    i32[NB]); NB = min(T, T // block_q + S) bounds sum over sequences of ceil(q_len / block_q)."""
     max_seqs = query_start_loc.shape[0] - 1
     live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs
     q_len = jnp.where(live, query_start_loc[1:] - query_start_loc[:-1], 0)
     q_len = jnp.clip(q_len, 0, num_tokens)
     nblocks = cdiv(q_len, block_q)
     ends = jnp.cumsum(nblocks)  # blocks of sequences [0, s]
-    num_blocks = num_tokens // block_q + max_seqs
+    num_blocks = min(num_tokens, num_tokens // block_q + max_seqs)  # and every block holds a token
     b = jnp.arange(num_blocks, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, b, side="right").astype(jnp.int32), max_seqs - 1)
     j = b - (ends[seq] - nblocks[seq])  # block index inside its sequence
@@ -92,7 +95,8 @@ def ragged_paged_attention(
     # Pages past a row's length point at page 0 (always in range); the key mask hides what it holds.
     used = jnp.arange(width, dtype=jnp.int32)[None, :] < cdiv(kv_len, page_size)[:, None]
     page_ids = jnp.where(used, page_table.astype(jnp.int32)[seq], 0)  # [NB, W]
-    chunk_pages = max(1, min(width, _GATHER_BUDGET // max(1, num_blocks * page_size * num_kv_heads * head_dim)))
+    by_budget = _GATHER_BUDGET // max(1, num_blocks * page_size * num_kv_heads * head_dim)
+    chunk_pages = max(1, min(width, KV_CHUNK_TOKENS // page_size, by_budget))
     padded = cdiv(width, chunk_pages) * chunk_pages
     page_ids = jnp.pad(page_ids, ((0, 0), (0, padded - width)))
     chunk = chunk_pages * page_size

@@ -9,7 +9,6 @@ Both write the new K/V into the donated pools in place and sample on device.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 import threading
@@ -40,7 +39,7 @@ from jaxinfer.sampling import (
     sample,
 )
 from jaxinfer.sharding import KV_POOL_AXES, MODEL, spec
-from jaxinfer.step import StepInputs, StepPacker, bucket_table, narrow, pack, pick_bucket
+from jaxinfer.step import StepInputs, StepPacker, bucket_table, pack, pick_bucket
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +267,7 @@ class ModelRunner:
         # The last step's sampled tokens, kept on device for the next step's placeholders (overlap scheduling).
         # Every process of a multi-process mesh runs the same steps, so each keeps the same feed.
         self.feed = jax.device_put(np.zeros(cache.max_num_seqs, np.int32), self._replicated)
-        # A multi-process mesh keeps the full page table: followers rebuild each step's shapes from (T, S) alone.
-        self.buckets = bucket_table(
-            jax.default_backend(), cache.max_num_seqs, cache.max_num_batched_tokens, cache.pages_per_seq,
-            narrow_pages=jax.process_count() == 1,
-        )  # fmt: skip
+        self.buckets = bucket_table(jax.default_backend(), cache.max_num_seqs, cache.max_num_batched_tokens)
         self.seq_buckets, self.token_buckets = self.buckets.seq_buckets, self.buckets.token_buckets
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB in all); up to %d sequences of %d tokens. "
@@ -300,7 +295,7 @@ class ModelRunner:
         (a pending handle for `collect`). `host_start`: when the caller began preparing the step (timeline)."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
         decode_only, t, s = self.bucket_for(len(chunks), num_tokens)
-        inp = narrow(self.packer.pack(chunks, t, s), chunks, self.cc.page_size, self.buckets.page_buckets)
+        inp = self.packer.pack(chunks, t, s)
         advanced = needs_advanced(rows)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
         out, prompt_lp = self.launch(inp, st, decode_only, advanced, prompt_logprobs)
@@ -346,8 +341,8 @@ class ModelRunner:
             (False, t, self.cc.max_num_seqs) for t in self.token_buckets
         ]
         for adv in (False, True) if advanced else (False,):
-            for (decode_only, t, s), w in itertools.product(shapes, self.buckets.page_buckets):
-                inp = pack([], t, s, w, self.cc.page_size)
+            for decode_only, t, s in shapes:
+                inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
                 st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
                 out, _ = self.launch(inp, st, decode_only, adv, False)
         jax.block_until_ready(out)
