@@ -83,3 +83,13 @@ def test_accelerator_uses_the_tightest_device_per_device_bytes():
     capped = size_kv_pool(backend="tpu", page_bytes=2**18, page_size=16, max_num_seqs=8, max_model_len=128,
                           free_bytes_per_device=free, memory_fraction=0.9, budget=GiB)  # fmt: skip
     assert capped.num_pages == GiB // 2**18 and "per device" in capped.reason
+
+
+def test_server_flag_takes_sizes_and_rejects_nonsense(capsys):
+    from jaxinfer.server.args import parse_args
+
+    assert parse_args(["--kv-cache-memory", "4GiB"]).kv_cache_memory == 4 * GiB
+    assert parse_args([]).kv_cache_memory is None
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-memory", "lots"])
+    assert "--kv-cache-memory" in capsys.readouterr().err
