@@ -22,11 +22,11 @@ from jax import lax
 from kernels_pallas.common import NEG_INF, apply_soft_cap, cdiv, key_mask
 
 # Query tokens per block: a decode row wastes at most block_q - 1 rows of a block, a prefill chunk copies its
-# pages once per block_q tokens. 16 measured best of 4/8/16/32 for SmolLM2 shapes (benchmarks/bench_attention.py).
+# pages once per block_q tokens. 16 was fastest of 8/16/32 at SmolLM2 shapes (a T=256 mixed step; benchmarks/README).
 DEFAULT_BLOCK_Q = 16
 # Keys per step of the KV loop. The loop runs only as many steps as the longest live sequence needs (a dynamic
 # trip count), so however wide the page table (max_model_len), a step reads at most one chunk past the live keys.
-KV_CHUNK_TOKENS = 256
+KV_CHUNK_TOKENS = 128  # fastest of 64/128/256/512 at SmolLM2 shapes (B=32 decode, T=256 mixed), noisy host
 # Elements of gathered K (or V) per chunk of the KV loop, over all blocks (~64 MiB of f32): a smaller chunk if over.
 _GATHER_BUDGET = 1 << 24
 
