@@ -164,7 +164,7 @@ def random_inputs(
 
 def backend_impls(backend: str) -> list[str]:
     """The dispatcher impls worth timing on this backend, then the dense XLA baseline."""
-    kernel = {"gpu": ["pallas_gpu"], "tpu": ["pallas_tpu"]}.get(backend, [])
+    kernel = {"gpu": ["pallas_gpu"], "tpu": ["pallas_tpu"], "cpu": ["cpu"]}.get(backend, [])
     return [*kernel, REFERENCE, XLA_DENSE]
 
 

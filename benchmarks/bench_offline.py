@@ -6,6 +6,7 @@ Run from the repository root:
     python -m benchmarks.bench_offline --scale 8 --cells 128/128 --out cpu.json   # CPU-sized (1/8 requests, lengths)
     python -m benchmarks.bench_offline --shape llama3-8b --references none    # random weights at a real shape (GPU)
     python -m benchmarks.bench_offline --quick                                # seconds: what the smoke test runs
+    python -m benchmarks.bench_offline --defaults --out defaults.json         # plain LLM() vs hf and llama.cpp f32
 
 Workloads:
 - `nanovllm`: nano-vllm's `bench.py` workload, reproduced exactly: Python's `random.seed(0)`, 256 requests, each a
@@ -14,6 +15,9 @@ Workloads:
   `--scale S` keeps the first 256 / S requests and divides every length by S.
 - cells `P/O` (`--cells 128/128,1000/1000,...`): `--cell-requests` requests of exactly P random prompt tokens and O
   output tokens, also divided by `--scale`.
+- `mixed`: `--num-requests` (default 256) prompts of `randint(16, 256)` random token ids, 128 output tokens each
+  (issue #14's workload). `--defaults` runs it greedily through a plain `LLM(model)` (no tuning flags: what users
+  get) against transformers and llama.cpp f32, and adds peak RSS and greedy agreement on the first 16 requests.
 
 Engines: jaxinfer in this process (`LLM.generate`; with `--shape`, an `Engine` over random weights), then each
 reference from `benchmarks/references.py` in a child process (`--references hf,llamacpp,llamacpp-quant`, or none).
@@ -27,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -54,6 +59,11 @@ FULL_DEFAULTS: dict[str, Any] = dict(
     scale=1, num_requests=None, cells="128/128,1000/1000,2048/128,128/2048", cell_requests=64,
     max_num_seqs=32, max_num_batched_tokens=None, references="hf,llamacpp,llamacpp-quant",
 )  # fmt: skip
+# --defaults: what a user gets from `LLM()`, on issue #14's mixed workload.
+DEFAULTS_MODE: dict[str, Any] = dict(
+    sections="mixed", num_requests=256, references="hf,llamacpp", temperature=0.0, check_prompts=16,
+)  # fmt: skip
+MIXED = dict(min_prompt=16, max_prompt=256, output=128)
 QUICK_DEFAULTS: dict[str, Any] = dict(
     scale=32, num_requests=4, cells="256/128", cell_requests=64, max_num_seqs=4, max_num_batched_tokens=32,
     references="none",
@@ -86,8 +96,18 @@ def cell_requests(prompt_len: int, output_len: int, n: int, seed: int) -> list[R
     return [([rng.randint(0, NANOVLLM["max_token_id"]) for _ in range(prompt_len)], output_len) for _ in range(n)]
 
 
+def mixed_requests(n: int, seed: int) -> list[Request]:
+    """Issue #14's mixed workload: prompts of 16-256 random token ids, 128 output tokens each."""
+    rng = random.Random(f"mixed-{seed}")
+    return [([rng.randint(0, NANOVLLM["max_token_id"]) for _ in range(rng.randint(MIXED["min_prompt"],
+                                                                                  MIXED["max_prompt"]))],
+             MIXED["output"]) for _ in range(n)]  # fmt: skip
+
+
 def build_workloads(args: argparse.Namespace, vocab_size: int) -> dict[str, list[Request]]:
     out: dict[str, list[Request]] = {}
+    if "mixed" in args.sections:
+        out["mixed"] = mixed_requests(args.num_requests or DEFAULTS_MODE["num_requests"], args.seed)
     if "nanovllm" in args.sections:
         full = nanovllm_requests()
         prompt_total, output_total = sum(len(p) for p, _ in full), sum(m for _, m in full)
@@ -194,11 +214,14 @@ def make_jaxinfer(args: argparse.Namespace, max_model_len: int) -> JaxEngine:
 
     from jaxinfer.llm import LLM
 
-    llm = LLM(
+    if args.defaults:  # no tuning flags: the pool, buckets and lengths are the library's defaults
+        llm = LLM(args.model)
+    else:
+        llm = LLM(
         args.model, dtype=args.dtype or "float32", max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=mnbt, block_size=args.block_size, num_kv_tokens=num_kv_tokens or None,
         gpu_memory_utilization=args.memory_fraction, seed=args.seed, attn_impl=args.attn_impl,
-    )  # fmt: skip
+        )  # fmt: skip
 
     def generate_llm(reqs: list[Request], temperature: float) -> list[list[int]]:
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params_for(reqs, temperature), use_tqdm=False)
@@ -217,11 +240,12 @@ def run_jaxinfer(
     je = make_jaxinfer(args, max_model_len)
     engine = je.engine
     print(f"{je.label}: loaded in {je.load_s:.1f}s; KV pool {engine.allocator.num_pages} pages x "
-          f"{engine.cc.page_size}, max_model_len {max_model_len}, max_num_seqs {engine.cc.max_num_seqs}, "
+          f"{engine.cc.page_size}, max_model_len {engine.cc.max_model_len}, max_num_seqs {engine.cc.max_num_seqs}, "
           f"max_num_batched_tokens {engine.cc.max_num_batched_tokens}", flush=True)  # fmt: skip
 
     # Warm-up: compile every bucket, then one short request (as nano-vllm's bench does before timing).
     c0, t0 = compile_count(), time.perf_counter()
+    rss_loaded = peak_rss_mib()
     engine.runner.warmup(advanced=False)
     je.generate([([1, 2, 3, 4], 2)], args.temperature)
     warmup_s, warmup_compiles = time.perf_counter() - t0, compile_count() - c0
@@ -254,6 +278,7 @@ def run_jaxinfer(
                 peak_kv_frac=probe.peak_pages / engine.allocator.num_pages,
                 peak_kv_mib=probe.peak_pages * page_bytes / 2**20, temperature=args.temperature,
                 load_avg=[load0, load_avg()], first_tokens=[o[:64] for o in outs[: args.check_prompts]],
+                peak_rss_mib=peak_rss_mib(), peak_rss_after_load_mib=rss_loaded,
             )
         )  # fmt: skip
         print(f"{je.label} {name}: {rows[-1]['output_tok_s']:.1f} output tok/s ({elapsed:.1f}s)", flush=True)
@@ -261,6 +286,11 @@ def run_jaxinfer(
     check_tokens = [je.generate([(p, min(m, 32))], 0.0)[0] for p, m in check]
     je.close()
     return rows, dict(label=je.label, check_tokens=check_tokens, warmup_s=warmup_s, load_s=je.load_s)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _row(workload: str, engine: str, reqs: list[Request], elapsed: float) -> dict[str, Any]:
@@ -329,7 +359,8 @@ def run_reference(
         rows.append(
             _row(name, engine, reqs, w["elapsed_s"])
             | dict(load_s=res["load_s"], warmup_s=res["warmup_s"], load_avg=[load0, load_avg()],
-                   first_tokens=w["first_tokens"], **{k: w[k] for k in ("decoded_tokens", "decode_calls") if k in w})
+                   first_tokens=w["first_tokens"], **{k: w[k] for k in ("decoded_tokens", "decode_calls") if k in w},
+                   peak_rss_mib=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
         )  # fmt: skip
         print(f"{engine} {name}: {rows[-1]['output_tok_s']:.1f} output tok/s ({w['elapsed_s']:.1f}s)", flush=True)
     return rows, res
@@ -415,7 +446,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path for jaxinfer and references")
     p.add_argument("--shape", choices=sorted(SHAPES), help="random weights at this shape instead of --model")
     p.add_argument("--dtype", help="weights/KV dtype (default float32 for --model, bfloat16 for --shape)")
-    p.add_argument("--sections", default="nanovllm,cells", help="nanovllm, cells or both")
+    p.add_argument("--sections", default="nanovllm,cells", help="comma list of nanovllm, cells, mixed")
     for flag, typ, text in [
         ("--scale", int, "divide request counts and every length by this"),
         ("--num-requests", int, "nanovllm: requests to keep (overrides 256 / scale)"),
@@ -445,17 +476,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "this CPU: see benchmarks/README.md)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny workload, references off: a seconds-long run")
+    p.add_argument("--defaults", action="store_true",
+                   help="plain LLM(model) on the mixed workload, greedy, vs hf and llama.cpp f32 (issue #14); "
+                   "--num-requests scales it down")  # fmt: skip
     p.add_argument("--out", help="write the results as JSON here (and the plot beside it, .png)")
     p.add_argument("--plot", help="PNG path for the bar plot (default: --out with .png)")
     args = p.parse_args(argv)
 
     defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
+    if args.defaults:
+        given = {a.split("=")[0] for a in (argv or sys.argv[1:]) if a.startswith("--")}
+        for name, value in DEFAULTS_MODE.items():
+            if f"--{name.replace('_', '-')}" not in given:
+                setattr(args, name, value)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.cells = _cells(args.cells)
     args.sections = [s for s in args.sections.split(",") if s]
-    if not set(args.sections) <= {"nanovllm", "cells"}:
+    if not set(args.sections) <= {"nanovllm", "cells", "mixed"}:
         p.error(f"--sections: unknown section in {args.sections}")
     refs = [r for r in args.references.split(",") if r and r != "none"]
     if set(refs) - set(references.ENGINES):
@@ -504,8 +543,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if eng in refs:
                 checks[f"{eng} vs hf"] = agreement(refs[eng]["check_tokens"], base)
 
+    if args.defaults and "hf" in refs:
+        # Greedy everywhere: the batched workload's own tokens must agree too (first 64 of each checked request).
+        for name in workloads:
+            got = {r["engine"]: r["first_tokens"] for r in rows if r["workload"] == name}
+            for eng in (jax_info["label"], "llamacpp"):
+                if eng in got and "hf" in got:
+                    checks[f"{eng} vs hf, {name} workload batched"] = agreement(got[eng], got["hf"])
     print("\n== offline throughput (jaxinfer_vs: jaxinfer output tok/s / this engine's; > 1: jaxinfer faster)")
     print(throughput_table(rows))
+    print("\n== peak RSS (MiB; references: the largest child process so far)")
+    for r in rows:
+        if r.get("peak_rss_mib"):
+            print(f"{r['engine']:>10} {r['workload']}: {r['peak_rss_mib']:.0f}")
     print("\n== jaxinfer steps (prefill: steps carrying prompt tokens; host: time outside engine.step)")
     print(jaxinfer_table(rows))
     if checks:

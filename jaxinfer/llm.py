@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
+from jaxinfer.cache.sizing import parse_bytes
 from jaxinfer.device import check_device, resolve_kv_cache_dtype
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
@@ -45,6 +46,7 @@ def build_engine(
     block_size: int = 16,
     num_kv_tokens: int | None = None,
     gpu_memory_utilization: float = 0.5,
+    kv_cache_memory: int | str | None = None,
     enable_prefix_caching: bool = True,
     max_logprobs: int = 20,
     seed: int | None = None,
@@ -59,7 +61,9 @@ def build_engine(
     previous one's tokens are read on the host (same outputs; turn it off to debug the plain loop). `dtype` "auto"
     is float32 on CPU and the checkpoint's half precision (or bfloat16) on GPU/TPU; `kv_cache_dtype` "auto" follows
     it. `device` ("auto", "cpu", "gpu", "tpu"; default $JAXINFER_DEVICE, else what $JAX_PLATFORMS asks for) raises
-    `jaxinfer.device.DeviceUnavailableError` when jax initialised another backend."""
+    `jaxinfer.device.DeviceUnavailableError` when jax initialised another backend.
+    `kv_cache_memory` caps the KV pool's bytes per device (an int, or text like "4GiB"); see jaxinfer.cache.sizing
+    for the defaults (on CPU: what the scheduler can address, at most 1.5 GiB)."""
     check_device(device)
     if compilation_cache:
         # A second start then restores the compiled steps instead of compiling them again.
@@ -82,6 +86,7 @@ def build_engine(
         page_size=block_size,
         num_pages=-(-num_kv_tokens // block_size) if num_kv_tokens else None,
         memory_fraction=gpu_memory_utilization,
+        kv_cache_memory=parse_bytes(kv_cache_memory),
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens or max(256, max_num_seqs),
@@ -103,9 +108,9 @@ def build_engine(
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
         """`settings` are `build_engine`'s: dtype, kv_cache_dtype, device, max_model_len, max_num_seqs,
-        max_num_batched_tokens, block_size,
-        num_kv_tokens, gpu_memory_utilization, enable_prefix_caching, max_logprobs, seed, tensor_parallel_size,
-        data_parallel_size, attn_impl, compilation_cache, overlap_scheduling."""
+        max_num_batched_tokens, block_size, num_kv_tokens, gpu_memory_utilization, kv_cache_memory,
+        enable_prefix_caching, max_logprobs, seed, tensor_parallel_size, data_parallel_size, attn_impl,
+        compilation_cache, overlap_scheduling."""
         self.model = model
         self.engine, self.tokenizer = build_engine(model, **settings)
         self.processor = OutputProcessor(self.tokenizer)

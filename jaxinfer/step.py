@@ -55,6 +55,34 @@ def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class BucketTable:
+    """The shapes a runner compiles. decode: S (= T) rows; mixed: T tokens over `max_num_seqs` rows."""
+
+    seq_buckets: tuple[int, ...]
+    token_buckets: tuple[int, ...]
+
+
+# Per backend: (extra small decode batches, smallest power-of-two decode batch, smallest token bucket). CPU: a
+# single stream decodes at batch 1 (a padded row costs its full share of the attention and sampler there; 2-7 rows
+# cost about what 8 do, the step being bound by reading the weights). Each bucket is one more compile at start-up.
+BUCKET_TABLE: dict[str, tuple[tuple[int, ...], int, int]] = {
+    "cpu": ((1,), 8, 32),
+    "gpu": ((), 8, 32),
+    "tpu": ((), 8, 32),
+}
+
+
+def bucket_table(backend: str, max_num_seqs: int, max_num_batched_tokens: int) -> BucketTable:
+    """The bucket sets for this backend (an unknown backend gets the GPU row)."""
+    seq_extra, seq_lo, tok_lo = BUCKET_TABLE.get(backend, BUCKET_TABLE["gpu"])
+    seqs = power_of_two_buckets(min(seq_lo, max_num_seqs), max_num_seqs)
+    return BucketTable(
+        tuple(sorted({*(b for b in seq_extra if b < seqs[0]), *seqs})),
+        power_of_two_buckets(min(tok_lo, max_num_batched_tokens), max_num_batched_tokens),
+    )
+
+
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if n <= b:

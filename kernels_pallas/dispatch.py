@@ -5,7 +5,9 @@ check passes is used, and the pure-jnp reference is always last. Checks only loo
 static options, so the choice is made at trace time and is safe inside ``jax.jit``.
 
 impl:
-  None          -> by ``jax.default_backend()``: "gpu" -> "pallas_gpu", "tpu" -> "pallas_tpu", else "reference"
+  None          -> by ``jax.default_backend()``: "gpu" -> "pallas_gpu", "tpu" -> "pallas_tpu", "cpu" -> "cpu",
+                   else "reference"
+  "cpu"         -> the blocked jnp path for XLA:CPU (kernels_pallas/cpu.py), then reference
   "pallas_gpu"  -> Triton Pallas kernel, then reference
   "pallas_tpu"  -> Mosaic TPU Pallas kernel, then reference
   "interpret"   -> the Pallas kernels in interpret mode (GPU-style first, then TPU-style), then reference
@@ -23,12 +25,12 @@ from typing import Any
 
 import jax
 
-from kernels_pallas import decode_gpu, decode_tpu, ragged_gpu, ragged_tpu, reference
+from kernels_pallas import cpu, decode_gpu, decode_tpu, ragged_gpu, ragged_tpu, reference
 from kernels_pallas.common import UnsupportedCase
 
 _log = logging.getLogger(__name__)
 
-IMPLS = ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu", "reference")
+IMPLS = ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu", "cpu", "reference")
 
 
 @dataclass(frozen=True)
@@ -98,13 +100,15 @@ def _ragged_tpu(interpret: bool) -> _Candidate:
     return _Candidate("pallas_tpu_interpret" if interpret else "pallas_tpu", ragged_tpu.check_supported, run)
 
 
+_DECODE_CPU = _Candidate("cpu", _no_check, cpu.paged_decode_attention)
+_RAGGED_CPU = _Candidate("cpu", _no_check, cpu.ragged_paged_attention)
 _DECODE_REF = _Candidate("reference", _no_check, reference.paged_decode_attention)
 _RAGGED_REF = _Candidate("reference", _no_check, reference.ragged_paged_attention)
 
 
 def _resolve_impl(impl: str | None) -> str:
     if impl is None:
-        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "cpu"}.get(jax.default_backend(), "reference")
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS} or None")
     return impl
@@ -117,6 +121,7 @@ def decode_candidates(impl: str | None = None) -> list[_Candidate]:
         "pallas_tpu": [_decode_tpu(False)],
         "interpret": [_decode_gpu(True), _decode_tpu(True)],
         "interpret_tpu": [_decode_tpu(True)],
+        "cpu": [_DECODE_CPU],
         "reference": [],
     }[impl]
     return [*kernels, _DECODE_REF]
@@ -129,6 +134,7 @@ def ragged_candidates(impl: str | None = None) -> list[_Candidate]:
         "pallas_tpu": [_ragged_tpu(False)],
         "interpret": [_ragged_gpu(True), _ragged_tpu(True)],
         "interpret_tpu": [_ragged_tpu(True)],
+        "cpu": [_RAGGED_CPU],
         "reference": [],
     }[impl]
     return [*kernels, _RAGGED_REF]

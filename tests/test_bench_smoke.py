@@ -29,9 +29,10 @@ def test_quick_run_writes_expected_rows(tmp_path: Path, capsys: pytest.CaptureFi
     cfg = meta["config"]
     quick = bench_attention.QUICK_DEFAULTS
 
-    # On CPU the dispatcher only has the reference; xla_dense is the contiguous-cache baseline.
+    # On CPU the dispatcher has the CPU path and the reference; xla_dense is the contiguous-cache baseline.
     decode_keys = {(r["impl"], r["batch"], r["context"]) for r in res["decode"]}
-    expected = {(impl, b, c) for impl in ("reference", "xla_dense") for b in cfg["batch"] for c in cfg["context"]}
+    impls = ("cpu", "reference", "xla_dense")
+    expected = {(impl, b, c) for impl in impls for b in cfg["batch"] for c in cfg["context"]}
     assert decode_keys == expected and len(res["decode"]) == len(expected)
     assert cfg["batch"] == [int(x) for x in quick["batch"].split(",")]
     for r in res["decode"]:
@@ -43,7 +44,8 @@ def test_quick_run_writes_expected_rows(tmp_path: Path, capsys: pytest.CaptureFi
     assert all(r["speedup_vs_reference"] == 1.0 for r in res["decode"] if r["impl"] == "reference")
 
     prefill_keys = {(r["impl"], r["num_seqs"], r["q_len"]) for r in res["prefill"]}
-    assert prefill_keys == {("reference", s, n) for s in cfg["prefill_seqs"] for n in cfg["prefill_len"]}
+    seqs, lens = cfg["prefill_seqs"], cfg["prefill_len"]
+    assert prefill_keys == {(i, s, n) for i in ("cpu", "reference") for s in seqs for n in lens}
     for r in res["prefill"]:
         for field in ("median_s", "compile_s", "tokens_per_s", "tflop_per_s", "flops", "num_tokens"):
             assert r[field] > 0, (field, r)

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
+from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
@@ -39,7 +40,7 @@ from jaxinfer.sampling import (
     sample,
 )
 from jaxinfer.sharding import KV_POOL_AXES, MODEL, spec
-from jaxinfer.step import StepInputs, StepPacker, pack, pick_bucket, power_of_two_buckets
+from jaxinfer.step import StepInputs, StepPacker, bucket_table, pack, pick_bucket
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,9 @@ def resolve_placeholders(ids: jax.Array, feed: jax.Array) -> jax.Array:
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
-    num_pages: int | None = None  # explicit pool size; else sized from memory_fraction
+    num_pages: int | None = None  # explicit pool size; else sized by jaxinfer.cache.sizing
     memory_fraction: float = 0.5  # of the device memory left free after the weights (like gpu_memory_utilization)
+    kv_cache_memory: int | None = None  # KV bytes per device at most (CPU default: sizing.CPU_DEFAULT_BUDGET)
     max_model_len: int = 2048
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256  # token budget of a mixed step
@@ -186,6 +188,8 @@ class CacheConfig:
             raise ValueError("page_size, max_model_len and max_num_seqs must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs a token slot)")
 
@@ -198,21 +202,36 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str | None = None) -> i
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_cache_dtype or cfg.dtype).itemsize
 
 
-def _free_device_bytes() -> int:
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    import psutil  # CPU backends report no memory stats: use the host's available memory
+def _free_bytes(devices: list) -> list[int]:
+    """Free memory of each device; CPU devices report none, so each gets an equal share of the host's available
+    memory (forced host devices all live in it)."""
+    out = []
+    for d in devices:
+        stats = d.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            import psutil
 
-    return int(psutil.virtual_memory().available)
+            return [int(psutil.virtual_memory().available) // max(1, len(jax.local_devices()))] * len(devices)
+        out.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    return out
 
 
-def size_pool(cfg: ModelConfig, cc: CacheConfig) -> int:
-    """Number of pages: explicit, or the memory fraction of what is free now, divided by a page's bytes."""
+def size_pool(cfg: ModelConfig, cc: CacheConfig, mesh: Mesh | None = None) -> PoolSize:
+    """Number of pages of this runner's pool and why: explicit, else `jaxinfer.cache.sizing.size_kv_pool` over the
+    devices that hold it (the replica's mesh), with a page's bytes on one device (KV heads split over `model`)."""
     if cc.num_pages is not None:
-        return cc.num_pages
-    page_bytes = kv_bytes_per_token(cfg, cc.kv_cache_dtype) * cc.page_size
-    return max(1, int(_free_device_bytes() * cc.memory_fraction) // page_bytes)
+        return PoolSize(cc.num_pages, "num_pages / num_kv_tokens given explicitly")
+    devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
+    kv_shards = mesh.shape[MODEL] if mesh is not None else 1
+    itemsize = jnp.dtype(cc.kv_cache_dtype or cfg.dtype).itemsize
+    page_bytes = page_bytes_per_device(
+        cc.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, itemsize, kv_shards
+    )
+    return size_kv_pool(
+        backend=devices[0].platform, page_bytes=page_bytes, page_size=cc.page_size, max_num_seqs=cc.max_num_seqs,
+        max_model_len=cc.max_model_len, free_bytes_per_device=_free_bytes(devices),
+        memory_fraction=cc.memory_fraction, budget=cc.kv_cache_memory,
+    )  # fmt: skip
 
 
 class ModelRunner:
@@ -227,7 +246,8 @@ class ModelRunner:
         """On a mesh, `params` must already be placed on it (see jaxinfer.weights.load_weights(mesh=...)) and `cfg`
         be the config they fit."""
         self.cfg, self.cc, self.attn_impl, self.mesh = cfg, cache, attn_impl, mesh
-        self.num_pages = size_pool(cfg, cache)
+        sized = size_pool(cfg, cache, mesh)
+        self.num_pages = sized.num_pages
         self.followers = None  # a jaxinfer.distributed.Followers on the lead process of a multi-process mesh
         self.timeline: StepTimeline | None = None  # set to record when each step ran (benchmarks, metrics)
         self.packer = StepPacker(cache.pages_per_seq, cache.page_size, cache.max_num_seqs)
@@ -252,13 +272,14 @@ class ModelRunner:
         # The last step's sampled tokens, kept on device for the next step's placeholders (overlap scheduling).
         # Every process of a multi-process mesh runs the same steps, so each keeps the same feed.
         self.feed = jax.device_put(np.zeros(cache.max_num_seqs, np.int32), self._replicated)
-        self.seq_buckets = power_of_two_buckets(min(8, cache.max_num_seqs), cache.max_num_seqs)
-        self.token_buckets = power_of_two_buckets(min(32, cache.max_num_batched_tokens), cache.max_num_batched_tokens)
+        self.buckets = bucket_table(jax.default_backend(), cache.max_num_seqs, cache.max_num_batched_tokens)
+        self.seq_buckets, self.token_buckets = self.buckets.seq_buckets, self.buckets.token_buckets
         log.info(
-            "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB); up to %d sequences of %d tokens",
+            "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB in all); up to %d sequences of %d tokens. "
+            "Chosen: %s",
             self.num_pages, cache.page_size, self.num_pages * cache.page_size,
             self.num_pages * cache.page_size * kv_bytes_per_token(cfg, cache.kv_cache_dtype) / 2**20,
-            cache.max_num_seqs, cache.max_model_len,
+            cache.max_num_seqs, cache.max_model_len, sized.reason,
         )  # fmt: skip
         self._log_startup(kv_dtype.name)
 

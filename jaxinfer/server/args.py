@@ -27,6 +27,7 @@ class ServerArgs:
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.5
     num_kv_tokens: int | None = None
+    kv_cache_memory: int | None = None  # KV bytes per device at most (see jaxinfer.cache.sizing)
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
@@ -77,6 +78,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _byte_size(text: str) -> int:
+    from jaxinfer.cache.sizing import parse_bytes
+
+    try:
+        return int(parse_bytes(text, "--kv-cache-memory"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="serve.py", description="OpenAI-compatible HTTP server for jaxinfer models.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="preset name, .gguf file, HF directory or checkpoint")
@@ -120,6 +130,13 @@ def make_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="explicit KV pool size in tokens (overrides --gpu-memory-utilization)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=_byte_size,
+        default=None,
+        help="most KV cache bytes per device, e.g. 4GiB or 2000000000 (CPU default: what the scheduler can "
+        "address, at most 1.5GiB)",
     )
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV page")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")

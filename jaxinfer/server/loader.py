@@ -30,6 +30,7 @@ def build_engine(args: ServerArgs) -> tuple[Engine, Tokenizer]:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_tokens=args.num_kv_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         compilation_cache=(args.compilation_cache_dir or True) if args.enable_compilation_cache else False,

@@ -33,6 +33,7 @@ def _shapes(head_dim: int, page_size: int = 16, dtype=jnp.float32):
         ("pallas_tpu", "pallas_tpu", "pallas_tpu"),
         ("interpret", "pallas_gpu_interpret", "pallas_gpu_interpret"),
         ("interpret_tpu", "pallas_tpu_interpret", "pallas_tpu_interpret"),
+        ("cpu", "cpu", "cpu"),
         ("reference", "reference", "reference"),
     ],
 )
@@ -41,7 +42,7 @@ def test_supported_case_picks_the_kernel(impl, decode, ragged):
     assert kp.ragged_implementation(*_shapes(128), impl=impl) == ragged
 
 
-@pytest.mark.parametrize("impl", kp.IMPLS)
+@pytest.mark.parametrize("impl", [i for i in kp.IMPLS if i != "cpu"])  # the CPU path is plain jnp: any shape
 def test_unsupported_head_dim_falls_through_to_reference(impl):
     # head_dim 80 is not a power of 2 (Triton tiles) nor lane aligned (Mosaic): every kernel declines.
     assert kp.decode_implementation(*_shapes(80), impl=impl) == "reference"
@@ -54,7 +55,7 @@ def test_interpret_falls_through_gpu_kernel_to_tpu_kernel():
 
 
 def test_default_impl_follows_backend():
-    expected = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+    expected = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "cpu"}.get(jax.default_backend(), "reference")
     assert kp.decode_implementation(*_shapes(128)) == expected
 
 

@@ -1,0 +1,155 @@
+"""Paged attention for XLA:CPU: work proportional to the live tokens, in plain jnp (no Pallas backend on CPU).
+
+The reference gathers K/V once per *query token* (O(T * L) copies per layer for a prefill of T tokens over L keys)
+and decode reads the whole page-table width (`max_model_len`) of every row. Here the packed query tokens are cut
+into blocks of at most `block_q` tokens of one sequence, and K/V are gathered once per *block*: a prefill chunk of
+T tokens copies its sequence's pages T/block_q times instead of T times, and a decode row (a block of one token)
+reads its own pages. K/V are read in chunks of `KV_CHUNK_TOKENS` keys, only as many as the longest live sequence
+needs (a dynamic trip count), so the work follows the live context, not the table's width, and no extra shapes are
+compiled. Each block attends its sequence's cached prefix and its own fresh tokens in one masked softmax (causal,
+sliding window, soft-cap), the chunks merged exactly by an online softmax (log-sum-exp rescaling).
+
+Same contracts as `kernels_pallas.reference` (table entries past a row's length are ignored, padding tokens and
+rows with no keys give zeros).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas.common import NEG_INF, apply_soft_cap, cdiv, key_mask
+
+# Query tokens per block: a decode row wastes at most block_q - 1 rows of a block, a prefill chunk copies its
+# pages once per block_q tokens. 16 was fastest of 8/16/32 at SmolLM2 shapes (a T=256 mixed step; benchmarks/README).
+DEFAULT_BLOCK_Q = 16
+# Keys per step of the KV loop. The loop runs only as many steps as the longest live sequence needs (a dynamic
+# trip count), so however wide the page table (max_model_len), a step reads at most one chunk past the live keys.
+KV_CHUNK_TOKENS = 128  # fastest of 64/128/256/512 at SmolLM2 shapes (B=32 decode, T=256 mixed), noisy host
+# Elements of gathered K (or V) per chunk of the KV loop, over all blocks (~64 MiB of f32): a smaller chunk if over.
+_GATHER_BUDGET = 1 << 24
+
+
+def _block_layout(
+    query_start_loc: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[]
+    num_tokens: int,
+    block_q: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per block: (seq i32[NB], first token i32[NB], its index within the sequence's query i32[NB], live tokens
+    i32[NB]); NB = min(T, T // block_q + S) bounds sum over sequences of ceil(q_len / block_q)."""
+    max_seqs = query_start_loc.shape[0] - 1
+    live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs
+    q_len = jnp.where(live, query_start_loc[1:] - query_start_loc[:-1], 0)
+    q_len = jnp.clip(q_len, 0, num_tokens)
+    nblocks = cdiv(q_len, block_q)
+    ends = jnp.cumsum(nblocks)  # blocks of sequences [0, s]
+    num_blocks = min(num_tokens, num_tokens // block_q + max_seqs)  # and every block holds a token
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right").astype(jnp.int32), max_seqs - 1)
+    j = b - (ends[seq] - nblocks[seq])  # block index inside its sequence
+    first = query_start_loc[seq] + j * block_q
+    n_live = jnp.where(b < ends[-1], jnp.clip(q_len[seq] - j * block_q, 0, block_q), 0)
+    return seq, first, j, n_live
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # f[T, Hq, D] query tokens of all sequences, packed
+    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D] (new tokens' K/V already written)
+    v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    page_table: jax.Array,  # i32[max_seqs, W] W pages (at least each live row's)
+    context_lens: jax.Array,  # i32[max_seqs] KV length incl. the new query tokens
+    query_start_loc: jax.Array,  # i32[max_seqs + 1]
+    num_seqs: jax.Array,  # i32[] (or i32[1])
+    *,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+) -> jax.Array:  # f[T, Hq, D], zeros for padding tokens
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    width = page_table.shape[1]
+    block_q = max(1, min(block_q, num_tokens))
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    context_lens = context_lens.astype(jnp.int32)
+    query_start_loc = query_start_loc.astype(jnp.int32)
+
+    seq, first, j, n_live = _block_layout(query_start_loc, num_seqs, num_tokens, block_q)
+    num_blocks = seq.shape[0]
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    kv_len = jnp.where(n_live > 0, context_lens[seq], 0)  # [NB]
+    i = jnp.arange(block_q, dtype=jnp.int32)[None, :]
+    row_live = i < n_live[:, None]  # [NB, Bq]
+    tok = jnp.where(row_live, first[:, None] + i, num_tokens)  # padding rows scatter past the end (dropped)
+    q_pos = jnp.where(row_live, kv_len[:, None] - q_len[:, None] + j[:, None] * block_q + i, -1)  # [NB, Bq]
+
+    # [NB, Hkv, Bq * G, D]: one matmul per (block, KV head) covers the block's tokens and the head's query group.
+    qb = jnp.take(q, jnp.minimum(tok, num_tokens - 1), axis=0)  # [NB, Bq, Hq, D]
+    qb = qb.reshape(num_blocks, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qb = qb.reshape(num_blocks, num_kv_heads, block_q * group, head_dim)
+    q_pos_rows = jnp.repeat(q_pos, group, axis=1)  # [NB, Bq * G], row r is token r // G
+
+    # Pages past a row's length point at page 0 (always in range); the key mask hides what it holds.
+    used = jnp.arange(width, dtype=jnp.int32)[None, :] < cdiv(kv_len, page_size)[:, None]
+    page_ids = jnp.where(used, page_table.astype(jnp.int32)[seq], 0)  # [NB, W]
+    by_budget = _GATHER_BUDGET // max(1, num_blocks * page_size * num_kv_heads * head_dim)
+    chunk_pages = max(1, min(width, KV_CHUNK_TOKENS // page_size, by_budget))
+    padded = cdiv(width, chunk_pages) * chunk_pages
+    page_ids = jnp.pad(page_ids, ((0, 0), (0, padded - width)))
+    chunk = chunk_pages * page_size
+
+    def body(c, carry):
+        acc, m, denom = carry  # f32[NB, Hkv, R, D], f32[NB, Hkv, R], f32[NB, Hkv, R]
+        ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=1)
+        k = jnp.take(k_pages, ids, axis=0).reshape(num_blocks, chunk, num_kv_heads, head_dim)
+        v = jnp.take(v_pages, ids, axis=0).reshape(num_blocks, chunk, num_kv_heads, head_dim)
+        k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
+        # Slots past the end may hold NaN/Inf garbage; p == 0 there, but 0 * NaN = NaN, so zero V itself.
+        v = jnp.where((k_pos < kv_len[:, None])[:, :, None, None], v, jnp.zeros((), v.dtype))
+        s = jnp.einsum("bhrd,bchd->bhrc", qb, k, preferred_element_type=jnp.float32)
+        s = apply_soft_cap(s * scale, soft_cap)
+        mask = key_mask(q_pos_rows[:, :, None], k_pos[:, None, :], kv_len[:, None, None], sliding_window)
+        s = jnp.where(mask[:, None], s, NEG_INF)  # [NB, Hkv, R, C]
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        corr = jnp.exp(m - m_safe)
+        pv = jnp.einsum("bhrc,bchd->bhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc * corr[..., None] + pv, m_new, denom * corr + jnp.sum(p, axis=-1)
+
+    rows = block_q * group
+    init = (
+        jnp.zeros((num_blocks, num_kv_heads, rows, head_dim), jnp.float32),
+        jnp.full((num_blocks, num_kv_heads, rows), NEG_INF, jnp.float32),
+        jnp.zeros((num_blocks, num_kv_heads, rows), jnp.float32),
+    )
+    # Only as many chunks as the longest live sequence needs (a dynamic trip count).
+    acc, _, denom = lax.fori_loop(0, cdiv(jnp.max(kv_len, initial=0), chunk), body, init)
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    out = out.reshape(num_blocks, num_kv_heads, block_q, group, head_dim).transpose(0, 2, 1, 3, 4)
+    out = out.reshape(num_blocks * block_q, num_q_heads, head_dim).astype(q.dtype)
+    result = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
+    return result.at[tok.reshape(-1)].set(out, mode="drop", unique_indices=True)
+
+
+def paged_decode_attention(
+    q: jax.Array,  # f[B, Hq, D] one query token per sequence
+    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    page_table: jax.Array,  # i32[B, W]
+    lengths: jax.Array,  # i32[B] valid KV tokens incl. the current one
+    *,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float | None = None,
+) -> jax.Array:  # f[B, Hq, D], zeros for rows with length 0
+    """Decode is the ragged case with one token per row: blocks of one token, one gather of each row's pages."""
+    batch = q.shape[0]
+    qsl = jnp.arange(batch + 1, dtype=jnp.int32)
+    return ragged_paged_attention(
+        q, k_pages, v_pages, page_table, lengths, qsl, jnp.int32(batch),
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, block_q=1,
+    )  # fmt: skip

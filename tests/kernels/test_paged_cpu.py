@@ -1,0 +1,81 @@
+"""The CPU paged-attention path (kernels_pallas/cpu.py) against the float64 oracle and the jnp reference, over the
+reference tests' shape grid: ragged lengths, chunked-prefill continuations (cached prefixes), decode tokens,
+padding rows and tokens, sliding windows, soft-cap, f32 and bf16, and tables wider than the live pages."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_attention_cases import (
+    REFERENCE_TOL,
+    assert_close,
+    make_decode_case,
+    make_ragged_case,
+    naive_decode,
+    naive_ragged,
+)
+from test_paged_reference import DECODE_CASES, RAGGED_CASES, SEQS
+
+from kernels_pallas import cpu, reference
+
+STATIC = ("scale", "sliding_window", "soft_cap", "block_q")
+
+
+def _oracle_close(out, expected, dtype):
+    rtol, atol = REFERENCE_TOL[dtype]
+    rtol, atol = (2 * rtol, 2 * atol) if dtype == jnp.bfloat16 else (rtol, atol)  # bf16 p in the P@V dot
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype", DECODE_CASES)
+def test_cpu_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap, dtype):
+    lengths = [0, 1, 2 * page_size, 2 * page_size + 3, page_size - 1]
+    case = make_decode_case(
+        0, lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=page_size, dtype=dtype
+    )
+    opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+    out = jax.jit(cpu.paged_decode_attention, static_argnames=STATIC[:3])(*case.args(), **opts)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    _oracle_close(out, naive_decode(case, **opts), dtype)
+    ref = jax.jit(reference.paged_decode_attention, static_argnames=STATIC[:3])(*case.args(), **opts)
+    assert_close(out, np.asarray(ref.astype(jnp.float32)), dtype)
+    assert not np.any(np.asarray(out[0])), "length-0 row must be exactly zero"
+
+
+# Every case at block_q 4 (blocks that split a sequence, and sequences shorter than a block), the first also at
+# 1 (every token its own block) and 16 (one block per sequence here).
+BLOCKED = [(*c[:-1], 4) for c in RAGGED_CASES] + [(*RAGGED_CASES[0][:-1], b) for b in (1, 16)]
+
+
+@pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype,block_q", BLOCKED)
+def test_cpu_ragged_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap, dtype, block_q):
+    case = make_ragged_case(1, SEQS, max_seqs=len(SEQS) + 2, pad_tokens=3, num_q_heads=hq, num_kv_heads=hkv,
+                            head_dim=head_dim, page_size=page_size, dtype=dtype)  # fmt: skip
+    opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+    out = jax.jit(cpu.ragged_paged_attention, static_argnames=STATIC)(*case.args(), **opts, block_q=block_q)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    _oracle_close(out, naive_ragged(case, **opts), dtype)
+    ref = jax.jit(reference.ragged_paged_attention, static_argnames=STATIC[:3])(*case.args(), **opts)
+    assert_close(out, np.asarray(ref.astype(jnp.float32)), dtype)
+    assert not np.any(np.asarray(out[-3:])), "padding tokens must be exactly zero"
+
+
+def test_cpu_ragged_long_prefix_streams_kv_chunks(monkeypatch):
+    """A budget small enough that the KV loop takes several chunks (the online-softmax merge across chunks)."""
+    monkeypatch.setattr(cpu, "_GATHER_BUDGET", 1)
+    seqs = [(7, 40), (1, 33), (20, 20)]
+    case = make_ragged_case(4, seqs, max_seqs=4, pad_tokens=1, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                            page_size=4)  # fmt: skip
+    opts = dict(scale=0.125, sliding_window=0, soft_cap=None)
+    out = cpu.ragged_paged_attention(*case.args(), **opts, block_q=8)
+    _oracle_close(out, naive_ragged(case, **opts), jnp.float32)
+
+
+def test_cpu_ragged_with_no_live_sequences_is_zero():
+    case = make_ragged_case(2, [(3, 5)], max_seqs=2, pad_tokens=2, num_q_heads=2, num_kv_heads=1, head_dim=64,
+                            page_size=8)  # fmt: skip
+    args = list(case.args())
+    args[-1] = jnp.int32(0)
+    assert not np.any(np.asarray(cpu.ragged_paged_attention(*args, scale=0.125)))
