@@ -44,7 +44,7 @@ def test_unequal_replicas_route_by_capacity(monkeypatch):
     cc = CacheConfig(page_size=8, max_model_len=200, max_num_seqs=4, max_num_batched_tokens=32, memory_fraction=0.5)
     page_bytes = kv_bytes_per_token(cfg) * cc.page_size
     free = iter([2 * 6 * page_bytes, 2 * 24 * page_bytes])  # replica 0: 6 pages (48 tokens), replica 1: 24 (192)
-    monkeypatch.setattr(runner, "_free_device_bytes", lambda: next(free))
+    monkeypatch.setattr(runner, "_free_bytes", lambda devices: [next(free)] * len(devices))
     mesh = make_mesh(1, 2)
     params = jax.device_put(
         init_params(cfg, seed=0), jax.sharding.NamedSharding(replica_meshes(mesh)[0], jax.sharding.PartitionSpec())
