@@ -136,3 +136,15 @@ def place_state(cfg: ModelConfig, state: nnx.State, mesh: Mesh) -> tuple[ModelCo
     place = placer(cfg, mesh, cfg.dtype)
     placed = nnx.map_state(lambda path, v: v.replace(place(path, np.asarray(v[...]), var_axes(v))), state)
     return new_cfg, placed
+
+
+def place_module(cfg: ModelConfig, module: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """A user module (jaxinfer.model.protocol) with its weights placed on the mesh from their logical axes."""
+    check_tensor_parallel(cfg, mesh.shape[MODEL])
+    if kv_replication(cfg, mesh.shape[MODEL]) > 1:
+        raise ShardingError(
+            f"tensor_parallel_size={mesh.shape[MODEL]} exceeds num_kv_heads={cfg.num_kv_heads}: KV-head replication is "
+            "only done for the built-in families"
+        )
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh)))
