@@ -1,5 +1,6 @@
 """A user-defined decoder that is none of the built-in families: two parallel attention/MLP blocks (GPT-J style),
-LayerNorm instead of RMSNorm, learned absolute positions instead of RoPE, a plain GELU MLP, tied embeddings.
+LayerNorm instead of RMSNorm, learned absolute positions instead of RoPE, a plain GELU MLP, tied embeddings. Its
+vocabulary is a prefix of SmolLM2's, so SmolLM2's tokenizer decodes its ids.
 
 It follows jaxinfer.model.protocol, and carries logical axis names on its kernels so tensor parallelism applies.
 `build` is the entry point `serve.py --model tests.model.byo_model:build` would load.
@@ -13,7 +14,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 
-CONFIG = ModelConfig(arch="custom", vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=2,
+CONFIG = ModelConfig(arch="custom", vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)  # fmt: skip
 
 

@@ -34,14 +34,22 @@ def _causal_attend(i, q, k, v, cache):
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v), cache
 
 
+@nnx.jit
+def _all_logits(model: ParallelLM, tokens: jax.Array) -> jax.Array:
+    """f32[L, V] for a right-padded sequence i32[1, L] (causal: padding never reaches the real tokens)."""
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    hidden, _ = model(tokens, positions, [None] * CONFIG.num_layers, _causal_attend)
+    return model.logits(hidden[0])
+
+
 def own_greedy_loop(model: ParallelLM, prompt: list[int], n: int) -> list[int]:
-    """The module's own contiguous forward pass, recomputed over the whole sequence for every new token."""
+    """The module's own contiguous forward pass, recomputed over the whole sequence for every new token (padded
+    to the context length, so one compiled program serves every step)."""
     ids = list(prompt)
     for _ in range(n):
-        tokens = jnp.asarray([ids], jnp.int32)
-        hidden, _ = model(tokens, jnp.arange(len(ids), dtype=jnp.int32)[None], [None] * CONFIG.num_layers,
-                          _causal_attend)  # fmt: skip
-        ids.append(int(jnp.argmax(model.logits(hidden[0, -1]))))
+        tokens = np.zeros((1, SETTINGS["max_model_len"]), np.int32)
+        tokens[0, : len(ids)] = ids
+        ids.append(int(jnp.argmax(_all_logits(model, tokens)[len(ids) - 1])))
     return ids[len(prompt) :]
 
 
