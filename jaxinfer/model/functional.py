@@ -8,6 +8,7 @@ dict of arrays. Inside the jitted function `ModelDef.merge(leaves)` rebuilds the
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -17,7 +18,8 @@ from jaxinfer.config import ModelConfig
 
 
 class ModelDef:
-    """The static half of a split model. Equality and hash are by identity: one compiled program per ModelDef."""
+    """The static half of a split model. Equality and hash are by identity (O(1) per call); `split_model` returns
+    the same ModelDef for equal (graphdef, treedef), so splitting again reuses the compiled programs."""
 
     def __init__(self, graphdef: nnx.GraphDef, treedef: Any):
         self.graphdef, self.treedef = graphdef, treedef
@@ -38,4 +40,9 @@ def split_model(cfg: ModelConfig, model: nnx.Module | nnx.State) -> tuple[ModelD
 
         graphdef, state = abstract_model(cfg)[0], model
     leaves, treedef = jax.tree.flatten(state)
-    return ModelDef(graphdef, treedef), leaves
+    return _model_def(graphdef, treedef), leaves
+
+
+@functools.lru_cache(maxsize=64)
+def _model_def(graphdef: nnx.GraphDef, treedef: Any) -> ModelDef:
+    return ModelDef(graphdef, treedef)
