@@ -65,5 +65,10 @@ class ParallelLM(nnx.Module):
         return self.embed.attend(hidden).astype(jnp.float32)
 
 
-def build():
+def model() -> ParallelLM:
     return ParallelLM(rngs=nnx.Rngs(0))
+
+
+def build() -> tuple[ParallelLM, str]:
+    """The entry point: the module and the tokenizer to serve it with (a Tokenizer, or a model name or path)."""
+    return model(), "smollm2-135m-instruct"

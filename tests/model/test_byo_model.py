@@ -16,7 +16,7 @@ from flax import nnx
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.llm import build_engine
 from jaxinfer.model.protocol import ProtocolError, check_model
-from tests.model.byo_model import CONFIG, ParallelLM, build
+from tests.model.byo_model import CONFIG, ParallelLM, model
 
 TOKENIZER = "smollm2-135m-instruct"
 SETTINGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=8, num_kv_tokens=256,
@@ -55,7 +55,7 @@ def own_greedy_loop(model: ParallelLM, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(build(), tokenizer=TOKENIZER, **SETTINGS) as llm:
+    with LLM(model(), tokenizer=TOKENIZER, **SETTINGS) as llm:
         yield llm
 
 
@@ -66,14 +66,14 @@ def test_user_module_paged_greedy_equals_its_own_loop(llm):
     prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (1, 8, 9, 27)]
     prompts.append(prompts[3])
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    ref = build()
+    ref = model()
     for p, o in zip(prompts, outs, strict=True):
         assert list(o.outputs[0].token_ids) == own_greedy_loop(ref, p, NEW)
 
 
 def test_entry_point_string_loads_the_module():
     """What `serve.py --model tests.model.byo_model:build` does: the server's builder is `build_engine`."""
-    engine, tok = build_engine("tests.model.byo_model:build", tokenizer=TOKENIZER, **SETTINGS)
+    engine, tok = build_engine("tests.model.byo_model:build", **SETTINGS)  # build() names its tokenizer
     assert engine.runner.cfg == CONFIG
     assert isinstance(engine.runner.model_def.merge(engine.runner.weights), ParallelLM)
     with pytest.raises(ProtocolError, match="no_such_module"):
