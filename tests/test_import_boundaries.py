@@ -43,8 +43,10 @@ def _loaded_after_import(modules: list[str]) -> set[str]:
         "jaxinfer.types",  # request types
         pytest.param(
             "jaxinfer.step",
-            marks=pytest.mark.xfail(strict=True, reason="PageTables lives in jaxinfer/step.py beside the jax "
-                                    "pytree registration of StepInputs"),  # fmt: skip
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="PageTables lives in jaxinfer/step.py beside the jax pytree registration of StepInputs",
+            ),  # fmt: skip
         ),
     ],
 )

@@ -100,9 +100,9 @@ class Transformer(nnx.Module):
         self.embedder = Embed(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale, dtype=cfg.dtype, std=std, rngs=rngs)
         self.layers = nnx.List([Block(cfg, i, std=std, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset, "norm", dtype=cfg.dtype, rngs=rngs)
-        self.lm_head = None if cfg.tie_word_embeddings else Einsum(
-            "...d,dv->...v", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype=cfg.dtype, std=std, rngs=rngs
-        )
+        head = ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+        self.lm_head = None if cfg.tie_word_embeddings else Einsum("...d,dv->...v", *head, dtype=cfg.dtype, std=std,
+                                                                   rngs=rngs)  # fmt: skip
 
     def __call__(
         self,
