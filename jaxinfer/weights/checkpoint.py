@@ -9,7 +9,9 @@ not match its own config, or that is truncated, fails loudly.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +36,12 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def save_checkpoint(path: str | Path, cfg: ModelConfig, params: Params, source: dict[str, Any] | None = None) -> None:
-    """Writes atomically: into a temporary sibling, then renamed, so a crash never leaves a half checkpoint."""
+    """Writes atomically: into a temporary sibling, then renamed, so a crash never leaves a half checkpoint.
+    The sibling is this process's own: processes converting the same file at once (the shared GGUF conversion
+    cache) never write into one another's directory."""
     path = Path(path).absolute()
     check_params(cfg, params)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ckptr = ocp.StandardCheckpointer()
@@ -46,7 +50,12 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, params: Params, source: 
     meta = {"format_version": FORMAT_VERSION, "config": cfg.to_dict(), "source": source or {}}
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not is_checkpoint(path):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same checkpoint first
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
