@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
+from flax import nnx
 
 from benchmarks.bench_attention import format_table, int_list
 from jaxinfer.config import ModelConfig, RopeConfig
-from jaxinfer.model import init_params, param_shapes
+from jaxinfer.model import abstract_model, init_params
 from jaxinfer.model.transformer import Params
 
 __all__ = [
@@ -64,7 +65,7 @@ def shape_config(name: str, dtype: str = "bfloat16") -> ModelConfig:
 
 
 def num_params(cfg: ModelConfig) -> int:
-    return int(sum(np.prod(s) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))))
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_model(cfg)[1])))
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> Params:
@@ -75,16 +76,12 @@ def random_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> Params:
     dtype = jnp.dtype(cfg.dtype)
     keys = iter(jax.random.split(jax.random.key(seed), 4096))
 
-    def build(tree: Any, key: str = "") -> Any:
-        if isinstance(tree, dict):
-            return {k: build(v, k) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [build(v, key) for v in tree]
-        if key.endswith("norm"):
-            return jnp.full(tree, 1.0 - cfg.norm_offset, dtype)
-        return _normal(next(keys), tree, dtype, std)
+    def make(path: tuple, v: Any) -> Any:
+        if path[-2].endswith("norm"):
+            return v.replace(jnp.full(v.shape, 1.0 - cfg.norm_offset, dtype))
+        return v.replace(_normal(next(keys), tuple(v.shape), dtype, std))
 
-    return build(param_shapes(cfg))
+    return nnx.map_state(make, abstract_model(cfg)[1])
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: float) -> jax.Array:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# A user's own nnx.Module (jaxinfer.model.protocol): its config describes the KV cache, the module does the rest.
+CUSTOM_ARCH = "custom"
 
 # HF `model_type` -> our family. Mistral is the Llama block with an optional sliding window.
 _HF_MODEL_TYPES = {
@@ -84,7 +86,7 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
+        if self.arch not in ARCHS and self.arch != CUSTOM_ARCH:
             raise UnsupportedConfigError(f"unknown architecture {self.arch!r}; supported: {', '.join(ARCHS)}")
         if self.activation not in ("silu", "gelu_tanh", "gelu"):
             raise UnsupportedConfigError(f"unsupported activation {self.activation!r}")

@@ -14,10 +14,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import contiguous_attend, init_contiguous_cache
-from jaxinfer.model.transformer import Params, forward, logits
+from jaxinfer.model.functional import ModelDef, split_model
+from jaxinfer.model.transformer import Params
+from jaxinfer.sampling import RowSampling, build_sampling_tensors, sample
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -25,9 +28,27 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-@partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("model_def", "cfg", "all_logits"), donate_argnames=("cache",))
+def _step(
+    model_def: ModelDef,
+    weights: list[jax.Array],
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    cache: list,
+    all_logits: bool,
+) -> tuple[jax.Array, list]:
+    model = model_def.merge(weights)
+    hidden, cache = model(tokens, positions, cache, contiguous_attend(cfg, positions, valid))
+    if not all_logits:
+        last = jnp.maximum(valid.sum(axis=1) - 1, 0)
+        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return model.logits(hidden), cache
+
+
 def run_step(
-    params: Params,
+    params: Params | nnx.Module,
     cfg: ModelConfig,
     tokens: jax.Array,  # i32[B, T]
     positions: jax.Array,  # i32[B, T]
@@ -35,25 +56,18 @@ def run_step(
     cache: list,
     all_logits: bool = False,
 ) -> tuple[jax.Array, list]:
-    """One forward over a right-padded token block. Returns f32 logits for every token [B, T, V] when
-    `all_logits`, else for each row's last valid token [B, V]; and the updated (donated) cache."""
-    hidden, cache = forward(params, cfg, tokens, positions, cache, contiguous_attend(cfg, positions, valid))
-    if not all_logits:
-        last = jnp.maximum(valid.sum(axis=1) - 1, 0)
-        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    return logits(params, cfg, hidden), cache
+    """One forward over a right-padded token block of a family's state or any protocol module. Returns f32 logits
+    for every token [B, T, V] when `all_logits`, else for each row's last valid token [B, V]; and the updated
+    (donated) cache."""
+    model_def, weights = split_model(cfg, params)
+    return _step(model_def, weights, cfg, tokens, positions, valid, cache, all_logits)
 
 
-def sample(logits_: jax.Array, temperature: jax.Array, key: jax.Array) -> jax.Array:
-    """Greedy where temperature == 0, else a draw from softmax(logits / T). logits f32[B, V] -> i32[B]."""
-    greedy = jnp.argmax(logits_, axis=-1)
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    drawn = jax.random.categorical(key, logits_ / safe_t[:, None], axis=-1)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+_sample = jax.jit(partial(sample, advanced=False, num_logprobs=None))
 
 
 def generate_tokens(
-    params: Params,
+    params: Params | nnx.Module,
     cfg: ModelConfig,
     prompts: list[list[int]],
     max_new_tokens: int,
@@ -61,7 +75,9 @@ def generate_tokens(
     temperature: float = 0.0,
     seed: int = 0,
 ) -> list[list[int]]:
-    """Generates for a batch of token-id prompts; returns the new tokens of each (EOS included when hit)."""
+    """Generates for a batch of token-id prompts with `params` (a family's state, or any module following
+    jaxinfer.model.protocol); returns the new tokens of each (EOS included when hit). Sampling is the engine's
+    (`jaxinfer.sampling.sample`): greedy at temperature 0, else row i draws from seed + i."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -78,11 +94,14 @@ def generate_tokens(
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    temp = jnp.full((b,), temperature, jnp.float32)
-    key = jax.random.key(seed)
-    out, cache = run_step(params, cfg, tokens, positions, positions < lens[:, None], cache)
-    key, sub = jax.random.split(key)
-    nxt = np.asarray(sample(out, temp, sub))
+    model_def, weights = split_model(cfg, params)  # once: each step reuses the same compiled program
+
+    def draw(logits_: jax.Array, step: int) -> np.ndarray:
+        rows = [RowSampling(temperature=temperature, seed=(seed + i) % 2**32, counter=step) for i in range(b)]
+        return np.asarray(_sample(logits_, build_sampling_tensors(rows, b, 1, 1, False)).token_ids)
+
+    out, cache = _step(model_def, weights, cfg, tokens, positions, positions < lens[:, None], cache, False)
+    nxt = draw(out, 0)
     results: list[list[int]] = [[] for _ in prompts]
     done = np.zeros(b, bool)
     eos = np.array(eos_token_ids, np.int32)
@@ -93,9 +112,8 @@ def generate_tokens(
         if done.all() or step == max_new_tokens - 1:
             break
         pos = (lens + step)[:, None]
-        out, cache = run_step(params, cfg, nxt[:, None], pos, ~done[:, None], cache)
-        key, sub = jax.random.split(key)
-        nxt = np.asarray(sample(out, temp, sub))
+        out, cache = _step(model_def, weights, cfg, nxt[:, None], pos, ~done[:, None], cache, False)
+        nxt = draw(out, step + 1)
     return results
 
 

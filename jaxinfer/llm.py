@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxinfer.cache.sizing import parse_bytes
@@ -25,9 +26,10 @@ from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
 from jaxinfer.engine.runner import CacheConfig, enable_compilation_cache
-from jaxinfer.model_files import DEFAULT_MODEL
-from jaxinfer.sharding import make_mesh
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.model.protocol import check_model, is_entry_point, load_entry_point
+from jaxinfer.model_files import DEFAULT_MODEL, resolve_model_path
+from jaxinfer.sharding import make_mesh, place_module
+from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.types import RequestOutput, SamplingParams
 from jaxinfer.weights import load_model
 
@@ -35,8 +37,9 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 def build_engine(
-    model: str = DEFAULT_MODEL,
+    model: str | nnx.Module = DEFAULT_MODEL,
     *,
+    tokenizer: Tokenizer | str | None = None,
     dtype: str = "auto",
     kv_cache_dtype: str = "auto",
     device: str | None = None,
@@ -63,7 +66,10 @@ def build_engine(
     it. `device` ("auto", "cpu", "gpu", "tpu"; default $JAXINFER_DEVICE, else what $JAX_PLATFORMS asks for) raises
     `jaxinfer.device.DeviceUnavailableError` when jax initialised another backend.
     `kv_cache_memory` caps the KV pool's bytes per device (an int, or text like "4GiB"); see jaxinfer.cache.sizing
-    for the defaults (on CPU: what the scheduler can address, at most 1.5 GiB)."""
+    for the defaults (on CPU: what the scheduler can address, at most 1.5 GiB).
+    `model` may also be your own nnx.Module following jaxinfer.model.protocol, or `"my_pkg.my_module:build"`
+    naming a function that returns one (or (module, tokenizer)); `tokenizer` (a Tokenizer, or a model name or path
+    to read one from) is then required, and overrides the model's own otherwise."""
     check_device(device)
     if compilation_cache:
         # A second start then restores the compiled steps instead of compiling them again.
@@ -73,10 +79,7 @@ def build_engine(
         if data_parallel_size > 1 and jax.process_count() > 1:
             raise ValueError("data_parallel_size: data parallelism across processes is not supported")
         mesh = make_mesh(tensor_parallel_size, data_parallel_size)
-    loaded = load_model(model, dtype=dtype, mesh=replica_meshes(mesh)[0] if mesh is not None else None)
-    cfg, tokenizer = loaded.config, loaded.tokenizer
-    if tokenizer is None:
-        raise ValueError(f"model {model!r} has no tokenizer")
+    cfg, params, tokenizer = _load(model, tokenizer, dtype, mesh, data_parallel_size)
     max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
     if max_model_len > cfg.max_position_embeddings:
         raise ValueError(
@@ -96,8 +99,8 @@ def build_engine(
     )
     eos = tokenizer.eos_token_ids
     if data_parallel_size > 1:
-        return DataParallelEngine(cfg, loaded.params, mesh, cache, eos, attn_impl, seed, overlap_scheduling), tokenizer
-    engine = Engine(cfg, loaded.params, cache, eos, attn_impl, seed, mesh, overlap_scheduling)
+        return DataParallelEngine(cfg, params, mesh, cache, eos, attn_impl, seed, overlap_scheduling), tokenizer
+    engine = Engine(cfg, params, cache, eos, attn_impl, seed, mesh, overlap_scheduling)
     if jax.process_count() > 1:
         from jaxinfer.distributed import attach_followers
 
@@ -105,10 +108,36 @@ def build_engine(
     return engine, tokenizer
 
 
+def _load(model: str | nnx.Module, tokenizer: Tokenizer | str | None, dtype: str, mesh, dp: int) -> tuple:
+    """(config, params or user module, tokenizer) for a model name/path, a user module or an entry point."""
+    if isinstance(model, str) and not is_entry_point(model):
+        loaded = load_model(model, dtype=dtype, mesh=replica_meshes(mesh)[0] if mesh is not None else None)
+        tokenizer = _tokenizer(tokenizer) or loaded.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"model {model!r} has no tokenizer")
+        return loaded.config, loaded.params, tokenizer
+    module, built_tokenizer = load_entry_point(model) if isinstance(model, str) else (model, None)
+    cfg = check_model(module)  # raises naming the missing part of the protocol
+    tokenizer = _tokenizer(tokenizer or built_tokenizer)
+    if tokenizer is None:
+        raise ValueError("tokenizer: a user model needs one, e.g. LLM(my_module, tokenizer='smollm2-135m-instruct')")
+    if dp > 1:
+        raise ValueError("data_parallel_size: not supported for user models yet (tensor parallelism is)")
+    if mesh is not None:
+        module = place_module(cfg, module, mesh)
+    return cfg, module, tokenizer
+
+
+def _tokenizer(tokenizer: Tokenizer | str | None) -> Tokenizer | None:
+    return load_tokenizer(resolve_model_path(tokenizer)) if isinstance(tokenizer, str) else tokenizer
+
+
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
-        """`settings` are `build_engine`'s: dtype, kv_cache_dtype, device, max_model_len, max_num_seqs,
-        max_num_batched_tokens, block_size, num_kv_tokens, gpu_memory_utilization, kv_cache_memory,
+    def __init__(self, model: str | nnx.Module = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
+        """`model`: a preset, a GGUF file, an HF directory, a checkpoint, or your own nnx.Module (see
+        jaxinfer.model.protocol; pass `tokenizer=` with it). `settings` are `build_engine`'s: tokenizer, dtype,
+        kv_cache_dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_kv_tokens,
+        gpu_memory_utilization, kv_cache_memory,
         enable_prefix_caching, max_logprobs, seed, tensor_parallel_size, data_parallel_size, attn_impl,
         compilation_cache, overlap_scheduling."""
         self.model = model

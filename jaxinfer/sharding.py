@@ -1,9 +1,10 @@
 """Meshes and the logical-axis rules that place parameters and KV pools on them.
 
-Model code names logical axes (`jaxinfer.model.param_axes`); this table maps them to mesh axes. Tensor parallelism
-splits attention heads, the MLP hidden dimension and the vocabulary over `model` (Megatron style: XLA inserts the
-all-reduces after `o` and `down` and the gather of the logits); the KV pools split by KV head. `data` holds
-independent replicas (see `jaxinfer.engine.dp`).
+Model code names logical axes (each Param's Flax `out_sharding` metadata); `RULES`, a MaxText-style rules table,
+maps them to mesh axes through Flax's partitioning utilities (`get_var_pspec`, `logical_to_mesh_axes`). Tensor
+parallelism splits attention heads, the MLP hidden dimension and the vocabulary over `model` (Megatron style: XLA
+inserts the all-reduces after `o` and `down` and the gather of the logits); the KV pools split by KV head. `data`
+holds independent replicas (see `jaxinfer.engine.dp`).
 
 Where a model has fewer KV heads than the tensor-parallel size (SmolLM2 has 3, Gemma 3 270M has 1), each KV head is
 replicated so that every `model` shard holds one copy of the head its query heads read, as vLLM does: the math is
@@ -13,29 +14,31 @@ unchanged (GQA over repeated heads), and the KV cache per device is one head.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
+from flax.linen import logical_to_mesh_axes
+from flax.nnx.spmd import get_var_pspec
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import ModelConfig
 
 DATA, MODEL = "data", "model"
 
-# logical axis -> mesh axis (None: replicated)
-RULES: dict[str, str | None] = {
-    "vocab": MODEL,
-    "embed": None,
-    "q_heads": MODEL,
-    "kv_heads": MODEL,
-    "head_dim": None,
-    "mlp": MODEL,
-    "norm": None,
+# (logical axis, mesh axis); a logical axis not listed is replicated.
+RULES: tuple[tuple[str, str | None], ...] = (
+    ("vocab", MODEL),
+    ("q_heads", MODEL),
+    ("kv_heads", MODEL),
+    ("mlp", MODEL),
+    ("embed", None),
+    ("head_dim", None),
+    ("norm", None),
     # KV pools
-    "pages": None,
-    "page_slot": None,
-}
+    ("pages", None),
+    ("page_slot", None),
+)
 KV_POOL_AXES = ("pages", "page_slot", "kv_heads", "head_dim")
 
 
@@ -91,13 +94,19 @@ def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return cfg if r == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
 
 
-def spec(axes: tuple[str, ...], mesh: Mesh) -> PartitionSpec:
-    """PartitionSpec for logical axes; a mesh axis of size 1 is left out (nothing to split)."""
-    out = []
-    for a in axes:
-        m = RULES.get(a)
-        out.append(m if m is not None and mesh.shape[m] > 1 else None)
-    return PartitionSpec(*out)
+def mesh_rules(mesh: Mesh) -> tuple[tuple[str, str | None], ...]:
+    """RULES on this mesh: a mesh axis of size 1 is left out (nothing to split, and one spec per placement)."""
+    return tuple((logical, m if m is not None and mesh.shape[m] > 1 else None) for logical, m in RULES)
+
+
+def spec(axes: tuple[str | None, ...], mesh: Mesh) -> PartitionSpec:
+    """PartitionSpec of mesh axes for logical axes."""
+    return logical_to_mesh_axes(tuple(axes), mesh_rules(mesh))
+
+
+def var_axes(v: nnx.Variable) -> tuple[str | None, ...]:
+    """A parameter's logical axis names, from its Flax sharding metadata (unnamed: replicated)."""
+    return tuple(get_var_pspec(v) or PartitionSpec(*([None] * len(v.shape))))
 
 
 def placer(cfg: ModelConfig, mesh: Mesh, dtype: str):
@@ -106,7 +115,7 @@ def placer(cfg: ModelConfig, mesh: Mesh, dtype: str):
     check_tensor_parallel(cfg, mesh.shape[MODEL])
     r = kv_replication(cfg, mesh.shape[MODEL])
 
-    def place(path: str, x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
+    def place(path, x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
         if r > 1 and "kv_heads" in axes:
             # Head j of the replicated layout is original head j // r: consecutive copies, matching GQA's
             # grouping of query heads (query head h reads KV head h // group).
@@ -116,21 +125,26 @@ def placer(cfg: ModelConfig, mesh: Mesh, dtype: str):
     return place
 
 
-def tree_shardings(axes_tree: Any, mesh: Mesh) -> Any:
-    """NamedShardings for a pytree whose leaves are tuples of logical axis names."""
-    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
-    return jax.tree.map(lambda a: NamedSharding(mesh, spec(a, mesh)), axes_tree, is_leaf=is_axes)
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """NamedShardings for every parameter of a (possibly abstract) nnx state, from its logical axis metadata."""
+    return nnx.map_state(lambda _, v: v.replace(NamedSharding(mesh, spec(var_axes(v), mesh))), state)
 
 
-def replicate_kv_params(cfg: ModelConfig, params: Any, mesh: Mesh) -> tuple[ModelConfig, Any]:
-    """Reshards already-loaded params (e.g. restored from a checkpoint) onto the mesh, replicating KV heads."""
-    from jaxinfer.model.transformer import param_axes
-
+def place_state(cfg: ModelConfig, state: nnx.State, mesh: Mesh) -> tuple[ModelConfig, nnx.State]:
+    """Reshards an already-loaded state (e.g. restored from a checkpoint) onto the mesh, replicating KV heads."""
     new_cfg = sharded_config(cfg, mesh.shape[MODEL])
     place = placer(cfg, mesh, cfg.dtype)
-    axes = param_axes(cfg)
-    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
-    leaves_axes = jax.tree.leaves(axes, is_leaf=is_axes)
-    leaves, treedef = jax.tree.flatten(params)
-    placed = [place("", np.asarray(x), a) for x, a in zip(leaves, leaves_axes, strict=True)]
-    return new_cfg, jax.tree.unflatten(treedef, placed)
+    placed = nnx.map_state(lambda path, v: v.replace(place(path, np.asarray(v[...]), var_axes(v))), state)
+    return new_cfg, placed
+
+
+def place_module(cfg: ModelConfig, module: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """A user module (jaxinfer.model.protocol) with its weights placed on the mesh from their logical axes."""
+    check_tensor_parallel(cfg, mesh.shape[MODEL])
+    if kv_replication(cfg, mesh.shape[MODEL]) > 1:
+        raise ShardingError(
+            f"tensor_parallel_size={mesh.shape[MODEL]} exceeds num_kv_heads={cfg.num_kv_heads}: KV-head replication is "
+            "only done for the built-in families"
+        )
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh)))

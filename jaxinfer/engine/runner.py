@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -29,7 +30,8 @@ from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
-from jaxinfer.model.transformer import Params, forward, logits
+from jaxinfer.model.functional import ModelDef, split_model
+from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import (
     RowSampling,
     SampleOutput,
@@ -112,11 +114,14 @@ def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: st
 
 @partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "decode_only", "advanced", "num_logprobs", "impl", "mesh", "prompt_logprobs"),
+    static_argnames=(
+        "model_def", "cfg", "layout", "decode_only", "advanced", "num_logprobs", "impl", "mesh", "prompt_logprobs"
+    ),
     donate_argnames=("kv",),
 )
 def paged_step(
-    params: Params,
+    model_def: ModelDef,
+    weights: list[jax.Array],
     cfg: ModelConfig,
     kv: KVPools,
     feed: jax.Array,
@@ -136,21 +141,21 @@ def paged_step(
     dispatches this step before it has read them. Returns the new feed (this step's tokens, padded).
     With prompt_logprobs, also (logprob of target, top ids, top logprobs) for every packed token: a separate
     program (compiled on first use) since it computes logits for all T tokens, not just S.
-    The StepInputs and SamplingTensors arrive as `flat` buffers (see jaxinfer.engine.transfer)."""
+    The StepInputs and SamplingTensors arrive as `flat` buffers (see jaxinfer.engine.transfer).
+    The model arrives split (jaxinfer.model.functional): merged here, at trace time, from its weight leaves."""
+    model = model_def.merge(weights)
     inp, st = from_flat(flat, layout)
     token_ids = resolve_placeholders(inp.token_ids, feed)
     if advanced:
         st = dataclasses.replace(st, history=resolve_placeholders(st.history, feed))
-    hidden, kv = forward(
-        params, cfg, token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh)
-    )
-    lg = logits(params, cfg, hidden[0][inp.logits_indices])  # f32[S, V]
+    hidden, kv = model(token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh))
+    lg = model.logits(hidden[0][inp.logits_indices])  # f32[S, V]
     if mesh is not None:
         # Gather the vocab-sharded logits; every device samples the same rows ([S, V] is small next to the weights).
         lg = jax.lax.with_sharding_constraint(lg, NamedSharding(mesh, P()))
     prompt_lp = None
     if prompt_logprobs:
-        lg_all = logits(params, cfg, hidden[0])  # f32[T, V]
+        lg_all = model.logits(hidden[0])  # f32[T, V]
         prompt_lp = compute_logprobs(lg_all, jnp.maximum(inp.target_ids, 0), num_logprobs or 0)
     out = sample(lg, st, advanced=advanced, num_logprobs=num_logprobs)
     return out, prompt_lp, kv, feed.at[: out.token_ids.shape[0]].set(out.token_ids)
@@ -238,13 +243,13 @@ class ModelRunner:
     def __init__(
         self,
         cfg: ModelConfig,
-        params: Params,
+        params: Params | nnx.Module,
         cache: CacheConfig,
         attn_impl: str | None = None,
         mesh: Mesh | None = None,
     ):
-        """On a mesh, `params` must already be placed on it (see jaxinfer.weights.load_weights(mesh=...)) and `cfg`
-        be the config they fit."""
+        """`params`: a family's nnx state, or any module following jaxinfer.model.protocol. On a mesh, it must
+        already be placed on it (see jaxinfer.weights.load_weights(mesh=...)) and `cfg` be the config it fits."""
         self.cfg, self.cc, self.attn_impl, self.mesh = cfg, cache, attn_impl, mesh
         sized = size_pool(cfg, cache, mesh)
         self.num_pages = sized.num_pages
@@ -256,16 +261,18 @@ class ModelRunner:
 
             self.num_pages = agree_on(self.num_pages)  # free memory differs between hosts; the pools may not
         shape = (self.num_pages, cache.page_size, cfg.num_kv_heads, cfg.head_dim)
+        # Split once: the steps take the weights as a flat list and merge inside (jaxinfer.model.functional).
+        self.model_def, self.weights = split_model(cfg, params)
         if mesh is None:
             # NOTE: arrays are committed to the device up front. A step's outputs are committed, and jit keys its
             # cache on committedness, so uncommitted first inputs would compile every bucket a second time.
-            self.params = jax.device_put(params, jax.devices()[0])
+            self.weights = jax.device_put(self.weights, jax.devices()[0])
             self._replicated = jax.devices()[0]
             pool = SingleDeviceSharding(jax.devices()[0])
         else:
-            self.params = params
             self._replicated = NamedSharding(mesh, P())
             pool = NamedSharding(mesh, spec(KV_POOL_AXES, mesh))
+        self.params = self.model_def.state(self.weights)  # the same arrays as an nnx state (reference paths, close)
         kv_dtype = jnp.dtype(cache.kv_cache_dtype or cfg.dtype)
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=pool)
         self.kv: KVPools = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
@@ -351,8 +358,8 @@ class ModelRunner:
 
     def _step(self, flat: tuple, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool = False):
         return paged_step(
-            self.params, self.cfg, self.kv, self.feed, flat, layout, decode_only, advanced, self.cc.max_logprobs,
-            self.attn_impl, self.mesh, prompt_lp,
+            self.model_def, self.weights, self.cfg, self.kv, self.feed, flat, layout, decode_only, advanced,
+            self.cc.max_logprobs, self.attn_impl, self.mesh, prompt_lp,
         )  # fmt: skip
 
     def warmup(

@@ -1,12 +1,28 @@
-"""Pure functions for the pieces of a decoder block. No state, no module objects: arrays in, arrays out."""
+"""The shared layers every family is built from, as Flax NNX modules, and the pure functions behind them.
+
+Every parameter names its logical axes in Flax sharding metadata (`out_sharding`); `jaxinfer.sharding` maps those
+names to mesh axes with a rules table. Parameters are created with `eager_sharding=False`: the module only names
+axes, placement happens once, when the weights are loaded onto a mesh.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxinfer.config import RopeConfig, rope_inv_freq
+
+Initializer = Callable[..., jax.Array]
+
+
+def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...], axes: tuple[str, ...], dtype) -> nnx.Param:
+    """A parameter of `shape` whose logical axis names travel with it as Flax sharding metadata."""
+    assert len(axes) == len(shape), (shape, axes)
+    return nnx.Param(init(rngs.params(), shape, jnp.dtype(dtype)), out_sharding=axes, eager_sharding=False)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -14,6 +30,79 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis, scaled by (offset + scale). The scale starts at the identity (1 - offset)."""
+
+    def __init__(self, dim: int, eps: float, offset: float, axis: str, *, dtype, rngs: nnx.Rngs):
+        self.eps, self.offset = eps, offset
+        self.scale = param(rngs, nnx.initializers.constant(1.0 - offset), (dim,), (axis,), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps, self.offset)
+
+
+class Embed(nnx.Module):
+    """Token embedding f[V, D]; `scale` multiplies by sqrt(D) (Gemma); `attend` gives tied logits."""
+
+    def __init__(self, vocab: int, dim: int, scale: bool, *, dtype, std: float = 0.02, rngs: nnx.Rngs):
+        self.scale = scale
+        self.embedding = param(rngs, nnx.initializers.normal(std), (vocab, dim), ("vocab", "embed"), dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = jnp.take(self.embedding[...], tokens, axis=0)
+        if self.scale:
+            # HF Gemma casts the normalizer to the activation dtype before multiplying.
+            x = x * jnp.asarray(x.shape[-1] ** 0.5, dtype=x.dtype)
+        return x
+
+
+class Einsum(nnx.Module):
+    """A projection as one einsum (heads kept as their own axis), with an optional bias over its output axes."""
+
+    def __init__(
+        self,
+        equation: str,
+        shape: tuple[int, ...],
+        axes: tuple[str, ...],
+        *,
+        bias: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
+        dtype,
+        std: float = 0.02,
+        rngs: nnx.Rngs,
+    ):
+        self.equation = equation
+        self.kernel = param(rngs, nnx.initializers.normal(std), shape, axes, dtype)
+        self.bias = param(rngs, nnx.initializers.normal(std), *bias, dtype) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum(self.equation, x, self.kernel[...])
+        return y if self.bias is None else y + self.bias[...]
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+    if name == "silu":
+        return jax.nn.silu(x)
+    if name == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.gelu(x, approximate=False)
+
+
+class GatedMLP(nnx.Module):
+    """SwiGLU / GeGLU: down(act(gate(x)) * up(x)). x f[B, T, D]."""
+
+    def __init__(self, dim: int, hidden: int, act: str, use_bias: bool, *, dtype, std: float, rngs: nnx.Rngs):
+        self.act = act
+        kw = dict(dtype=dtype, std=std, rngs=rngs)
+        up_bias = ((hidden,), ("mlp",)) if use_bias else None
+        self.gate = Einsum("...d,df->...f", (dim, hidden), ("embed", "mlp"), bias=up_bias, **kw)
+        self.up = Einsum("...d,df->...f", (dim, hidden), ("embed", "mlp"), bias=up_bias, **kw)
+        down_bias = ((dim,), ("embed",)) if use_bias else None
+        self.down = Einsum("...f,fd->...d", (hidden, dim), ("mlp", "embed"), bias=down_bias, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(activation(self.act, self.gate(x)) * self.up(x))
 
 
 def rope_tables(rope: RopeConfig, head_dim: int, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -32,26 +121,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return out.astype(x.dtype)
-
-
-def activation(name: str, x: jax.Array) -> jax.Array:
-    if name == "silu":
-        return jax.nn.silu(x)
-    if name == "gelu_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    return jax.nn.gelu(x, approximate=False)
-
-
-def gated_mlp(p: dict, x: jax.Array, act: str) -> jax.Array:
-    """SwiGLU / GeGLU: down(act(x @ gate) * (x @ up)). x f[B, T, D]."""
-    gate = x @ p["gate"]
-    up = x @ p["up"]
-    if "gate_bias" in p:
-        gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    out = (activation(act, gate) * up) @ p["down"]
-    if "down_bias" in p:
-        out = out + p["down_bias"]
-    return out
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -1,215 +1,178 @@
-"""The decoder transformer as pure functions over a params pytree.
+"""The decoder families (Llama/Mistral, Qwen2, Qwen3, Gemma 3) as one Flax NNX module configured by ModelConfig.
 
-Params layout (one dict per layer, layers unrolled; heads kept as their own axis so that sharding is a rules
-table over the logical names in `param_axes`):
-    embed        f[V, D]                      ("vocab", "embed")
-    final_norm   f[D]                         ("norm",)
-    lm_head      f[D, V]  (untied only)       ("embed", "vocab")
-    layers[i]:
-      attn_norm, mlp_norm           f[D]
-      post_attn_norm, post_mlp_norm f[D]      (sandwich-norm families: Gemma 3)
-      q f[D, H, Dh]   k, v f[D, Hkv, Dh]   o f[H, Dh, D]
-      q_bias f[H, Dh]  k_bias, v_bias f[Hkv, Dh]  o_bias f[D]   (when configured)
-      q_norm, k_norm f[Dh]                    (qk-norm families)
-      mlp: gate, up f[D, F]   down f[F, D]    (+ biases when configured)
+State layout (`nnx.state(Transformer(cfg))`; heads kept as their own axis, logical axes in each Param's metadata):
+    embedder/embedding                f[V, D]        ("vocab", "embed")
+    final_norm/scale                  f[D]           ("norm",)
+    lm_head/kernel   (untied only)    f[D, V]        ("embed", "vocab")
+    layers/i:
+      attn_norm, mlp_norm /scale      f[D]
+      post_attn_norm, post_mlp_norm   f[D]           (sandwich-norm families: Gemma 3)
+      attn/q/kernel f[D, H, Dh]   attn/k, attn/v /kernel f[D, Hkv, Dh]   attn/o/kernel f[H, Dh, D]
+      attn/{q,k,v}/bias f[H|Hkv, Dh]   attn/o/bias f[D]                  (when configured)
+      attn/q_norm, attn/k_norm /scale f[Dh]                              (qk-norm families)
+      mlp/gate, mlp/up /kernel f[D, F]   mlp/down/kernel f[F, D]         (+ biases when configured)
 
 Attention against the KV cache is a function passed in (`AttentionFn`), so the same block runs on the contiguous
-cache here and on the paged cache of the engine.
+cache (`jaxinfer.model.attention`) and on the engine's paged pools. The module holds weights only: the KV cache
+goes in and comes out of every call. The engine splits it once (`jaxinfer.model.functional`) and merges inside
+its jitted steps, so weights are arguments of the compiled program, never constants baked into it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.layers import apply_rope, gated_mlp, rms_norm, rope_tables, soft_cap
+from jaxinfer.model.layers import Einsum, Embed, GatedMLP, RMSNorm, apply_rope, rope_tables, soft_cap
 
-Params = dict[str, Any]
+Params = nnx.State
 # (layer index, q f[B,T,H,Dh], k f[B,T,Hkv,Dh], v f[B,T,Hkv,Dh], layer cache) -> (out f[B,T,H,Dh], layer cache)
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
-    """Shapes of every parameter, as a pytree of tuples with the params' structure."""
-    d, h, kv, dh, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    shapes: Params = {"embed": (cfg.vocab_size, d), "final_norm": (d,), "layers": []}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
-    for _ in range(cfg.num_layers):
-        layer: Params = {
-            "attn_norm": (d,),
-            "mlp_norm": (d,),
-            "q": (d, h, dh),
-            "k": (d, kv, dh),
-            "v": (d, kv, dh),
-            "o": (h, dh, d),
-            "mlp": {"gate": (d, f), "up": (d, f), "down": (f, d)},
-        }
-        if cfg.sandwich_norm:
-            layer.update(post_attn_norm=(d,), post_mlp_norm=(d,))
-        if cfg.qkv_bias:
-            layer.update(q_bias=(h, dh), k_bias=(kv, dh), v_bias=(kv, dh))
-        if cfg.out_bias:
-            layer["o_bias"] = (d,)
-        if cfg.qk_norm:
-            layer.update(q_norm=(dh,), k_norm=(dh,))
-        if cfg.mlp_bias:
-            layer["mlp"].update(gate_bias=(f,), up_bias=(f,), down_bias=(d,))
-        shapes["layers"].append(layer)
-    return shapes
+class Attention(nnx.Module):
+    """Q/K/V/O projections, optional QK-norm and RoPE around an injected attention function."""
+
+    def __init__(self, cfg: ModelConfig, index: int, *, std: float, rngs: nnx.Rngs):
+        d, h, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        kw = dict(dtype=cfg.dtype, std=std, rngs=rngs)
+        bias = cfg.qkv_bias
+        self.index = index
+        self.q = Einsum("btd,dhk->bthk", (d, h, dh), ("embed", "q_heads", "head_dim"),
+                        bias=((h, dh), ("q_heads", "head_dim")) if bias else None, **kw)  # fmt: skip
+        self.k = Einsum("btd,dhk->bthk", (d, kv, dh), ("embed", "kv_heads", "head_dim"),
+                        bias=((kv, dh), ("kv_heads", "head_dim")) if bias else None, **kw)  # fmt: skip
+        self.v = Einsum("btd,dhk->bthk", (d, kv, dh), ("embed", "kv_heads", "head_dim"),
+                        bias=((kv, dh), ("kv_heads", "head_dim")) if bias else None, **kw)  # fmt: skip
+        self.o = Einsum("bthk,hkd->btd", (h, dh, d), ("q_heads", "head_dim", "embed"),
+                        bias=((d,), ("embed",)) if cfg.out_bias else None, **kw)  # fmt: skip
+        norm = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, axis="head_dim", dtype=cfg.dtype, rngs=rngs)
+        self.q_norm = RMSNorm(dh, **norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(dh, **norm) if cfg.qk_norm else None
+
+    def __call__(self, x: jax.Array, cos_sin: tuple, attend: AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+        out, cache = attend(self.index, q, k, v, cache)
+        return self.o(out), cache
 
 
-_AXES = {
-    "embed": ("vocab", "embed"),
-    "final_norm": ("norm",),
-    "lm_head": ("embed", "vocab"),
-    "attn_norm": ("norm",),
-    "mlp_norm": ("norm",),
-    "post_attn_norm": ("norm",),
-    "post_mlp_norm": ("norm",),
-    "q": ("embed", "q_heads", "head_dim"),
-    "k": ("embed", "kv_heads", "head_dim"),
-    "v": ("embed", "kv_heads", "head_dim"),
-    "o": ("q_heads", "head_dim", "embed"),
-    "q_bias": ("q_heads", "head_dim"),
-    "k_bias": ("kv_heads", "head_dim"),
-    "v_bias": ("kv_heads", "head_dim"),
-    "o_bias": ("norm",),
-    "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",),
-    "gate": ("embed", "mlp"),
-    "up": ("embed", "mlp"),
-    "down": ("mlp", "embed"),
-    "gate_bias": ("mlp",),
-    "up_bias": ("mlp",),
-    "down_bias": ("norm",),
-}
+class Block(nnx.Module):
+    """One decoder block: pre-norm attention and gated MLP, with Gemma's extra post-norms when configured."""
+
+    def __init__(self, cfg: ModelConfig, index: int, *, std: float, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        norm = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, axis="norm", dtype=cfg.dtype, rngs=rngs)
+        self.local = bool(cfg.layer_windows[index])  # sliding layers use the local RoPE table
+        self.attn_norm = RMSNorm(d, **norm)
+        self.attn = Attention(cfg, index, std=std, rngs=rngs)
+        self.post_attn_norm = RMSNorm(d, **norm) if cfg.sandwich_norm else None
+        self.mlp_norm = RMSNorm(d, **norm)
+        self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.activation, cfg.mlp_bias, dtype=cfg.dtype, std=std,
+                            rngs=rngs)  # fmt: skip
+        self.post_mlp_norm = RMSNorm(d, **norm) if cfg.sandwich_norm else None
+
+    def __call__(self, x: jax.Array, ropes: dict, attend: AttentionFn, cache: Any) -> tuple[jax.Array, Any]:
+        out, cache = self.attn(self.attn_norm(x), ropes["local" if self.local else "global"], attend, cache)
+        if self.post_attn_norm is not None:
+            out = self.post_attn_norm(out)
+        x = x + out
+        out = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            out = self.post_mlp_norm(out)
+        return x + out, cache
 
 
-def param_axes(cfg: ModelConfig) -> Params:
-    """Logical axis names of every parameter, with the params' structure (leaves are tuples of names)."""
+class Transformer(nnx.Module):
+    """A built-in family; follows `jaxinfer.model.protocol.DecoderModel`."""
 
-    def name_tree(tree: Params) -> Params:
-        out: Params = {}
-        for key, val in tree.items():
-            if isinstance(val, dict):
-                out[key] = name_tree(val)
-            elif isinstance(val, list):
-                out[key] = [name_tree(v) for v in val]
-            else:
-                out[key] = _AXES[key]
-        return out
+    def __init__(self, cfg: ModelConfig, *, std: float = 0.02, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embedder = Embed(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale, dtype=cfg.dtype, std=std, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, i, std=std, rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset, "norm", dtype=cfg.dtype, rngs=rngs)
+        head = ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+        self.lm_head = None if cfg.tie_word_embeddings else Einsum("...d,dv->...v", *head, dtype=cfg.dtype, std=std,
+                                                                   rngs=rngs)  # fmt: skip
 
-    return name_tree(param_shapes(cfg))
+    def __call__(
+        self,
+        tokens: jax.Array,  # i32[B, T]
+        positions: jax.Array,  # i32[B, T]
+        kv_cache: list,  # one entry per layer, opaque to the model
+        attend: AttentionFn,
+    ) -> tuple[jax.Array, list]:
+        """Runs all blocks (unrolled); returns the final-normed hidden states f[B, T, D] and the updated cache."""
+        cfg = self.config
+        x = self.embedder(tokens)
+        ropes = {"global": rope_tables(cfg.rope, cfg.head_dim, positions)}
+        ropes["local"] = rope_tables(cfg.rope_local, cfg.head_dim, positions) if cfg.rope_local else ropes["global"]
+        new_cache = []
+        for block, layer_cache in zip(self.layers, kv_cache, strict=True):
+            x, layer_cache = block(x, ropes, attend, layer_cache)
+            new_cache.append(layer_cache)
+        return self.final_norm(x), new_cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """f32 logits f32[..., V] for final hidden states f[..., D]."""
+        w = self.embedder.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        out = jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+        return soft_cap(out, self.config.final_logit_softcap)
+
+
+@functools.lru_cache(maxsize=32)
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract state) of a family: shapes, dtypes and logical axes, no arrays allocated."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> Params:
-    """Random weights at the config's shapes (benchmarks, tests). Norm weights start at their identity."""
+    """Random weights at the config's shapes (benchmarks, tests), drawn with numpy on the host (the same on every
+    backend and process). Norm weights start at their identity."""
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(cfg.dtype)
 
-    def make(key: str, shape: tuple[int, ...]) -> jax.Array:
-        if key.endswith("norm"):
-            return jnp.full(shape, 1.0 - cfg.norm_offset, dtype)
-        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * std, dtype)
+    def make(path: tuple, v: nnx.Variable) -> nnx.Variable:
+        if path[-2].endswith("norm"):
+            return v.replace(jnp.full(v.shape, 1.0 - cfg.norm_offset, dtype))
+        return v.replace(jnp.asarray(rng.standard_normal(v.shape, dtype=np.float32) * std, dtype))
 
-    def build(tree: Any, key: str = "") -> Any:
-        if isinstance(tree, dict):
-            return {k: build(v, k) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [build(v, key) for v in tree]
-        return make(key, tree)
-
-    return build(param_shapes(cfg))
+    return nnx.map_state(make, abstract_model(cfg)[1])
 
 
 def check_params(cfg: ModelConfig, params: Params) -> None:
     """Raises ValueError naming the first parameter whose presence or shape differs from the config."""
-    want = param_shapes(cfg)
-
-    def walk(w: Any, p: Any, path: str) -> None:
-        if isinstance(w, dict):
-            if not isinstance(p, dict) or set(w) != set(p):
-                got = sorted(p) if isinstance(p, dict) else type(p).__name__
-                raise ValueError(f"params at {path or '/'}: expected keys {sorted(w)}, got {got}")
-            for k in w:
-                walk(w[k], p[k], f"{path}/{k}")
-        elif isinstance(w, list):
-            if not isinstance(p, list | tuple) or len(p) != len(w):
-                raise ValueError(f"params at {path}: expected {len(w)} layers")
-            for i, (wi, pi) in enumerate(zip(w, p, strict=True)):
-                walk(wi, pi, f"{path}/{i}")
-        elif tuple(p.shape) != tuple(w):
-            raise ValueError(f"param {path}: expected shape {tuple(w)}, got {tuple(p.shape)}")
-
-    walk(want, params, "")
+    want = dict(abstract_model(cfg)[1].flat_state())
+    got = dict(params.flat_state()) if isinstance(params, nnx.State) else {}
+    for path in sorted(set(want) | set(got), key=str):
+        name = "/".join(map(str, path))
+        if path not in got:
+            raise ValueError(f"params: missing {name}")
+        if path not in want:
+            raise ValueError(f"params: unexpected {name} for this config")
+        if tuple(got[path].shape) != tuple(want[path].shape):
+            raise ValueError(f"param {name}: expected shape {tuple(want[path].shape)}, got {tuple(got[path].shape)}")
 
 
-def _layer(
-    cfg: ModelConfig, i: int, p: Params, x: jax.Array, cos_sin: tuple, attend: AttentionFn, cache: Any
-) -> tuple[jax.Array, Any]:
-    """One decoder block. x f[B, T, D]."""
-    eps, off = cfg.norm_eps, cfg.norm_offset
-    h = rms_norm(x, p["attn_norm"], eps, off)
-    q = jnp.einsum("btd,dhk->bthk", h, p["q"])
-    k = jnp.einsum("btd,dhk->bthk", h, p["k"])
-    v = jnp.einsum("btd,dhk->bthk", h, p["v"])
-    if cfg.qkv_bias:
-        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], eps, off)
-        k = rms_norm(k, p["k_norm"], eps, off)
-    cos, sin = cos_sin
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn, cache = attend(i, q, k, v, cache)
-    out = jnp.einsum("bthk,hkd->btd", attn, p["o"])
-    if cfg.out_bias:
-        out = out + p["o_bias"]
-    if cfg.sandwich_norm:
-        out = rms_norm(out, p["post_attn_norm"], eps, off)
-    x = x + out
-    h = rms_norm(x, p["mlp_norm"], eps, off)
-    out = gated_mlp(p["mlp"], h, cfg.activation)
-    if cfg.sandwich_norm:
-        out = rms_norm(out, p["post_mlp_norm"], eps, off)
-    return x + out, cache
-
-
-def embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    x = jnp.take(params["embed"], tokens, axis=0)
-    if cfg.embed_scale:
-        # HF Gemma casts the normalizer to the activation dtype before multiplying.
-        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
-    return x
+def merge(cfg: ModelConfig, params: Params) -> Transformer:
+    return nnx.merge(abstract_model(cfg)[0], params)
 
 
 def forward(
-    params: Params,
-    cfg: ModelConfig,
-    tokens: jax.Array,  # i32[B, T]
-    positions: jax.Array,  # i32[B, T]
-    kv_cache: list,  # one entry per layer, opaque to this function
-    attend: AttentionFn,
+    params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, kv_cache: list, attend: AttentionFn
 ) -> tuple[jax.Array, list]:
-    """Runs all blocks; returns the final-normed hidden states f[B, T, D] and the updated per-layer cache."""
-    x = embed(params, cfg, tokens)
-    global_rope = rope_tables(cfg.rope, cfg.head_dim, positions)
-    local_rope = rope_tables(cfg.rope_local, cfg.head_dim, positions) if cfg.rope_local else global_rope
-    new_cache = []
-    for i, p in enumerate(params["layers"]):
-        cos_sin = local_rope if cfg.layer_windows[i] else global_rope
-        x, layer_cache = _layer(cfg, i, p, x, cos_sin, attend, kv_cache[i])
-        new_cache.append(layer_cache)
-    return rms_norm(x, params["final_norm"], cfg.norm_eps, cfg.norm_offset), new_cache
+    """The family's forward as a function of its state (for jitted callers holding (cfg, state))."""
+    return merge(cfg, params)(tokens, positions, kv_cache, attend)
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """f32 logits f32[..., V] for final hidden states f[..., D]."""
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    out = jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
-    return soft_cap(out, cfg.final_logit_softcap)
+    return merge(cfg, params).logits(hidden)

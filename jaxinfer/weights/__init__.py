@@ -20,9 +20,9 @@ from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.device import resolve_dtype
-from jaxinfer.model.transformer import Params, param_axes
+from jaxinfer.model.transformer import Params, abstract_model
 from jaxinfer.model_files import resolve_model_path
-from jaxinfer.weights.checkpoint import is_checkpoint, read_config, restore_checkpoint, save_checkpoint
+from jaxinfer.weights.checkpoint import FORMAT_VERSION, is_checkpoint, read_config, restore_checkpoint, save_checkpoint
 from jaxinfer.weights.gguf_loader import load_gguf
 from jaxinfer.weights.hf import load_hf
 
@@ -43,8 +43,10 @@ def default_cache_dir() -> Path:
 
 def _cache_key(path: Path, dtype: str) -> str:
     st = path.stat()
-    raw = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|v1"
-    return f"{path.stem}-{dtype}-{hashlib.sha1(raw.encode()).hexdigest()[:12]}"
+    # The checkpoint format is part of the key: caches are shared by every jaxinfer on the machine, and one
+    # written in another layout must never be read (or deleted as damaged) by this one.
+    raw = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|v{FORMAT_VERSION}"
+    return f"{path.stem}-{dtype}-v{FORMAT_VERSION}-{hashlib.sha1(raw.encode()).hexdigest()[:12]}"
 
 
 def checkpoint_dtype(path: Path) -> str | None:
@@ -114,15 +116,15 @@ def _restore(path: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, Pa
     replicating, else through the host."""
     if mesh is None:
         return restore_checkpoint(path, dtype=dtype)
-    from jaxinfer.sharding import MODEL, check_tensor_parallel, kv_replication, replicate_kv_params, tree_shardings
+    from jaxinfer.sharding import MODEL, check_tensor_parallel, kv_replication, place_state, state_shardings
 
     cfg = read_config(path, dtype)
     check_tensor_parallel(cfg, mesh.shape[MODEL])
     if kv_replication(cfg, mesh.shape[MODEL]) == 1:
-        return restore_checkpoint(path, shardings=tree_shardings(param_axes(cfg), mesh), dtype=dtype)
+        return restore_checkpoint(path, shardings=state_shardings(abstract_model(cfg)[1], mesh), dtype=dtype)
     with jax.default_device(jax.devices("cpu")[0]):
         cfg, params, source = restore_checkpoint(path, dtype=dtype)
-    cfg, params = replicate_kv_params(cfg, params, mesh)
+    cfg, params = place_state(cfg, params, mesh)
     return cfg, params, source
 
 

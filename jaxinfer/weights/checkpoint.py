@@ -1,24 +1,29 @@
-"""Converted params saved and restored with orbax, so a second start skips dequantization and conversion.
+"""A family's nnx state saved and restored with orbax, so a second start skips dequantization and conversion.
 
 A checkpoint directory holds `jaxinfer.json` (format version, ModelConfig, where the weights came from) and
-`params/` (an orbax StandardCheckpointer tree). Restoring takes the expected shapes from the config, so a
-checkpoint that does not match its own config, or that is truncated, fails loudly.
+`params/` (an orbax StandardCheckpointer tree of the state's pure dict, `nnx.State.to_pure_dict()`). Restoring
+takes the expected shapes (and logical axes) from the abstract module of the config, so a checkpoint that does
+not match its own config, or that is truncated, fails loudly.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.transformer import Params, check_params, param_shapes
+from jaxinfer.model.transformer import Params, abstract_model, check_params
 
-FORMAT_VERSION = 1
+# 2: the nnx state of jaxinfer.model.Transformer (1 was the dict-of-arrays layout before the move to Flax NNX).
+FORMAT_VERSION = 2
 META_FILE = "jaxinfer.json"
 
 
@@ -31,19 +36,26 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def save_checkpoint(path: str | Path, cfg: ModelConfig, params: Params, source: dict[str, Any] | None = None) -> None:
-    """Writes atomically: into a temporary sibling, then renamed, so a crash never leaves a half checkpoint."""
+    """Writes atomically: into a temporary sibling, then renamed, so a crash never leaves a half checkpoint.
+    The sibling is this process's own: processes converting the same file at once (the shared GGUF conversion
+    cache) never write into one another's directory."""
     path = Path(path).absolute()
     check_params(cfg, params)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(tmp / "params", params)
+    ckptr.save(tmp / "params", nnx.to_pure_dict(params))
     ckptr.wait_until_finished()
     meta = {"format_version": FORMAT_VERSION, "config": cfg.to_dict(), "source": source or {}}
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not is_checkpoint(path):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same checkpoint first
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -70,8 +82,8 @@ def read_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
 def restore_checkpoint(
     path: str | Path, shardings: Any = None, dtype: str | None = None
 ) -> tuple[ModelConfig, Params, dict[str, Any]]:
-    """Returns (config, params, source). `shardings`, a pytree of jax.sharding.Sharding with the params'
-    structure (see `param_axes`), restores every array straight into its shards."""
+    """Returns (config, params, source). `shardings`, an nnx state of jax.sharding.Sharding with the params'
+    structure (see `jaxinfer.sharding.state_shardings`), restores every array straight into its shards."""
     path = Path(path).absolute()
     meta = read_meta(path)
     cfg = ModelConfig.from_dict(meta["config"])
@@ -79,17 +91,16 @@ def restore_checkpoint(
         cfg = cfg.replace(dtype=dtype)
     if not (path / "params").is_dir():
         raise CheckpointError(f"{path} is incomplete: the params/ directory is missing")
-    shapes = param_shapes(cfg)
-    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(n, int) for n in x)  # noqa: E731
-    if shardings is None:
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, cfg.dtype), shapes, is_leaf=is_shape)
-    else:
-        target = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s, cfg.dtype, sharding=sh), shapes, shardings, is_leaf=is_shape
-        )
+    abstract = abstract_model(cfg)[1]
+    sh = dict(shardings.flat_state()) if shardings is not None else {}
+    target = nnx.map_state(
+        lambda p, v: v.replace(jax.ShapeDtypeStruct(v.shape, cfg.dtype, sharding=sh[p][...] if sh else None)), abstract
+    )
     try:
-        params = ocp.StandardCheckpointer().restore(path / "params", target)
+        restored = ocp.StandardCheckpointer().restore(path / "params", nnx.to_pure_dict(target))
     except Exception as e:  # orbax raises many types for truncated/foreign data
         raise CheckpointError(f"checkpoint at {path} is corrupt or incomplete: {type(e).__name__}: {e}") from e
+    params = jax.tree.map(lambda x: x, abstract)  # a copy to fill
+    nnx.replace_by_pure_dict(params, restored)
     check_params(cfg, params)
     return cfg, params, meta.get("source", {})

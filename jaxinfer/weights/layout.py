@@ -1,108 +1,104 @@
-"""From checkpoint tensors in PyTorch layout (HF names, Linear weights f[out, in]) to our params pytree.
+"""From checkpoint tensors in PyTorch layout (HF names, Linear weights f[out, in]) to a family's nnx state.
 
 Every loader reduces its format to `get(hf_name) -> np.ndarray | None` in PyTorch layout; this module does the
-one conversion into our layout ([in, out], heads as their own axis). `place` decides where each converted leaf
-goes (plain device array, or a sharded array placed shard by shard).
+one conversion into the module's layout ([in, out], heads as their own axis), walking the abstract state of
+`jaxinfer.model.Transformer(cfg)`. `place` decides where each converted leaf goes (plain device array, or a
+sharded array placed shard by shard from the parameter's logical axes).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.transformer import Params, param_axes, param_shapes
+from jaxinfer.model.transformer import Params, abstract_model
+from jaxinfer.sharding import var_axes
 
 Getter = Callable[[str], "np.ndarray | None"]
-# (path like "layers/3/q", numpy array in our layout, logical axes) -> device array
-Placer = Callable[[str, np.ndarray, tuple[str, ...]], jax.Array]
+# (state path like ("layers", 3, "attn", "q", "kernel"), numpy array in our layout, logical axes) -> device array
+Placer = Callable[[tuple, np.ndarray, tuple[str, ...]], jax.Array]
 
-_ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+_NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+          "post_mlp_norm": "post_feedforward_layernorm"}  # fmt: skip
 
 
 def hf_name(cfg: ModelConfig, path: tuple) -> str:
-    """HF checkpoint name of one of our leaves, e.g. ("layers", 3, "q") -> model.layers.3.self_attn.q_proj.weight."""
-    if path == ("embed",):
-        return "model.embed_tokens.weight"
-    if path == ("final_norm",):
-        return "model.norm.weight"
-    if path == ("lm_head",):
-        return "lm_head.weight"
+    """HF checkpoint name of a state leaf, e.g. ("layers", 3, "attn", "q", "kernel") ->
+    model.layers.3.self_attn.q_proj.weight."""
+    top = {("embedder", "embedding"): "model.embed_tokens.weight", ("final_norm", "scale"): "model.norm.weight",
+           ("lm_head", "kernel"): "lm_head.weight"}  # fmt: skip
+    if tuple(path) in top:
+        return top[tuple(path)]
     _, i, *rest = path
-    pre = f"model.layers.{i}."
+    pre, suffix = f"model.layers.{i}.", "bias" if rest[-1] == "bias" else "weight"
+    if rest[0] == "attn":
+        proj = rest[1] if rest[1].endswith("norm") else f"{rest[1]}_proj"  # q_norm, k_norm keep their names
+        return f"{pre}self_attn.{proj}.{suffix}"
     if rest[0] == "mlp":
-        name, suffix = (rest[1][: -len("_bias")], "bias") if rest[1].endswith("_bias") else (rest[1], "weight")
-        return f"{pre}mlp.{name}_proj.{suffix}"
-    key = rest[0]
-    if key in _ATTN:
-        return f"{pre}self_attn.{_ATTN[key]}.weight"
-    if key.endswith("_bias"):
-        return f"{pre}self_attn.{_ATTN[key[0]]}.bias"
-    if key in ("q_norm", "k_norm"):
-        return f"{pre}self_attn.{key}.weight"
-    gemma = cfg.sandwich_norm
-    norms = {
-        "attn_norm": "input_layernorm",
-        # Sandwich-norm families name the pre-MLP norm differently from Llama, where
-        # "post_attention_layernorm" *is* the pre-MLP norm.
-        "mlp_norm": "pre_feedforward_layernorm" if gemma else "post_attention_layernorm",
-        "post_attn_norm": "post_attention_layernorm",
-        "post_mlp_norm": "post_feedforward_layernorm",
-    }
-    return f"{pre}{norms[key]}.weight"
+        return f"{pre}mlp.{rest[1]}_proj.{suffix}"
+    # Sandwich-norm families name the pre-MLP norm differently from Llama, where
+    # "post_attention_layernorm" *is* the pre-MLP norm.
+    if rest[0] == "mlp_norm":
+        return f"{pre}{'pre_feedforward_layernorm' if cfg.sandwich_norm else 'post_attention_layernorm'}.weight"
+    return f"{pre}{_NORMS[rest[0]]}.weight"
 
 
-def _to_our_layout(cfg: ModelConfig, key: str, w: np.ndarray) -> np.ndarray:
-    d, h, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if key == "lm_head" or key in ("gate", "up", "down"):
-        return w.T
-    if key == "q":
-        return w.T.reshape(d, h, dh)
-    if key in ("k", "v"):
-        return w.T.reshape(d, kv, dh)
-    if key == "o":
-        return w.T.reshape(h, dh, d)
-    if key == "q_bias":
-        return w.reshape(h, dh)
-    if key in ("k_bias", "v_bias"):
-        return w.reshape(kv, dh)
-    return w
+def _in_dims(path: tuple) -> int:
+    """How many leading axes of a kernel are its input (the output projection reads heads x head_dim)."""
+    return 2 if path[-2] == "o" else 1
+
+
+def torch_shape(path: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The PyTorch-layout shape of a leaf of our `shape`: Linear weights are [out, in], flattened over heads."""
+    if path[-1] != "kernel":
+        return (shape[0], math.prod(shape[1:])) if path[-1] == "embedding" else (math.prod(shape),)
+    n = _in_dims(path)
+    return (math.prod(shape[n:]), math.prod(shape[:n]))
+
+
+def to_our_layout(path: tuple, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return (w.T if path[-1] == "kernel" else w).reshape(shape)
+
+
+def to_torch_layout(path: tuple, x: np.ndarray) -> np.ndarray:
+    """The inverse of `to_our_layout` (exports, tests that serve our weights through the HF loading path)."""
+    want = torch_shape(path, x.shape)
+    return x.reshape(want[::-1]).T if path[-1] == "kernel" else x.reshape(want)
 
 
 def default_placer(dtype: str) -> Placer:
-    def place(path: str, x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
+    def place(path: tuple, x: np.ndarray, axes: tuple[str, ...]) -> jax.Array:
         return jnp.asarray(x, dtype=jnp.dtype(dtype))
 
     return place
 
 
 def build_params(cfg: ModelConfig, get: Getter, place: Placer | None = None) -> Params:
-    """Fetches, converts and places every leaf; a missing or mis-shaped tensor is an error naming it."""
+    """Fetches, converts and places every leaf of the family's state; a missing or mis-shaped tensor is an error
+    naming it."""
     place = place or default_placer(cfg.dtype)
-    axes = param_axes(cfg)
 
-    def walk(shape_tree: Any, axes_tree: Any, path: tuple) -> Any:
-        if isinstance(shape_tree, dict):
-            return {k: walk(shape_tree[k], axes_tree[k], (*path, k)) for k in shape_tree}
-        if isinstance(shape_tree, list):
-            return [walk(s, a, (*path, i)) for i, (s, a) in enumerate(zip(shape_tree, axes_tree, strict=True))]
+    def fill(path: tuple, v: nnx.Variable) -> nnx.Variable:
         name = hf_name(cfg, path)
         w = get(name)
         if w is None:
             raise ValueError(f"checkpoint is missing tensor {name!r} (needed for {'/'.join(map(str, path))})")
-        x = _to_our_layout(cfg, path[-1], np.asarray(w))
-        if tuple(x.shape) != tuple(shape_tree):
+        w = np.asarray(w)
+        want = torch_shape(path, tuple(v.shape))
+        if w.size != math.prod(want) or (w.ndim == len(want) and tuple(w.shape) != want):
             raise ValueError(
-                f"tensor {name!r} has shape {tuple(np.shape(w))}, which does not fit the config "
-                f"(expected {tuple(shape_tree)} in our layout)"
+                f"tensor {name!r} has shape {tuple(w.shape)}, which does not fit the config (expected {want})"
             )
-        return place("/".join(map(str, path)), x, axes_tree)
+        return v.replace(place(path, to_our_layout(path, w, tuple(v.shape)), var_axes(v)))
 
-    return walk(param_shapes(cfg), axes, ())
+    return nnx.map_state(fill, abstract_model(cfg)[1])
 
 
 def build_on_mesh(cfg: ModelConfig, get: Getter, dtype: str, mesh: Any = None) -> tuple[ModelConfig, Params]:

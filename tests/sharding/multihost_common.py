@@ -6,7 +6,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import init_params
 from jaxinfer.types import SamplingParams
-from jaxinfer.weights.layout import hf_name
+from jaxinfer.weights.layout import hf_name, to_torch_layout
 
 CC = dict(page_size=8, num_pages=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
 PROMPTS = [[5, 9, 17], list(range(1, 24)), [42] * 9]
@@ -28,29 +28,7 @@ def host_getter(cfg: ModelConfig):
 
 
 def getter_for(cfg: ModelConfig, params):
-    """Serves host params in our layout back in PyTorch layout by HF name, so tests place them through the real
+    """Serves host params (an nnx state) back in PyTorch layout by HF name, so tests place them through the real
     loading path (`jaxinfer.weights.layout.build_on_mesh`)."""
-    table = {}
-
-    def walk(tree, path):
-        if isinstance(tree, dict):
-            for k, v in tree.items():
-                walk(v, (*path, k))
-        elif isinstance(tree, list):
-            for i, v in enumerate(tree):
-                walk(v, (*path, i))
-        else:
-            table[hf_name(cfg, path)] = _torch_layout(path[-1], tree)
-
-    walk(params, ())
+    table = {hf_name(cfg, path): to_torch_layout(path, np.asarray(v[...])) for path, v in params.flat_state()}
     return table.get
-
-
-def _torch_layout(key: str, x: np.ndarray) -> np.ndarray:
-    if key in ("q", "k", "v"):
-        return x.reshape(x.shape[0], -1).T
-    if key == "o":
-        return x.reshape(-1, x.shape[-1]).T
-    if key in ("lm_head", "gate", "up", "down"):
-        return x.T
-    return x

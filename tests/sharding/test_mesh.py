@@ -196,3 +196,17 @@ def test_sharded_steps_compile_nothing_after_warmup():
     _greedy(eng, _prompts(cfg.vocab_size))
     _greedy(eng, _prompts(cfg.vocab_size)[::-1])
     assert compile_count() == before
+
+
+@child_only
+def test_user_module_tensor_parallel_matches_one_device():
+    """A user nnx.Module (not a built-in family) is split over the mesh from its Params' logical axes."""
+    from jaxinfer.sharding import place_module
+    from tests.model.byo_model import CONFIG, model
+
+    prompts = _prompts(CONFIG.vocab_size)
+    ref = _greedy(Engine(CONFIG, model(), CacheConfig(**CC)), prompts)
+    mesh = make_mesh(2, 1)
+    sharded = place_module(CONFIG, model(), mesh)
+    assert sharded.blocks[0].q.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert _greedy(Engine(CONFIG, sharded, CacheConfig(**CC), mesh=mesh), prompts) == ref

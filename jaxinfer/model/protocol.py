@@ -1,0 +1,134 @@
+"""Bring your own model: what a Flax NNX decoder must provide for jaxinfer to serve it.
+
+A servable model is an `nnx.Module` with:
+
+- `config`: a `jaxinfer.config.ModelConfig` (`arch="custom"` for a model of your own). The engine reads from it
+  only what the KV cache and the attention kernels need: `num_layers`, `num_kv_heads`, `head_dim`, `dtype`
+  (the cache's), `vocab_size`, `max_position_embeddings`, `scale` (`query_scale`), `layer_windows` and
+  `attn_logit_softcap`. `num_heads`, `hidden_size`, `intermediate_size` are checked against tensor parallelism.
+- `__call__(token_ids, positions, kv_cache, attend) -> (hidden, kv_cache)`:
+    token_ids  i32[B, T]   the new tokens (the engine packs every sequence of a step on one axis: B == 1)
+    positions  i32[B, T]   their absolute positions (RoPE is the model's business)
+    kv_cache   list        one opaque entry per layer: pass entry i to `attend` and return what it gives back
+    attend     AttentionFn (layer i, q f[B,T,H,Dh], k f[B,T,Hkv,Dh], v f[B,T,Hkv,Dh], kv_cache[i])
+                              -> (out f[B,T,H,Dh], new kv_cache[i])
+                           Causal attention over everything cached for the sequence, new tokens included: on the
+                           engine's paged pools (the Pallas kernels through their dispatcher), or on a contiguous
+                           cache (`jaxinfer.generate`). Call it once per layer, with k and v before any cache.
+    hidden     f[B, T, D]  the final hidden states (after the final norm)
+- `logits(hidden f[..., D]) -> f32[..., V]`.
+
+The module holds weights only (no cache, no step counter): the engine splits it once into (graphdef, state) and
+its compiled steps merge it inside, so a module that mutates itself in `__call__` is not servable.
+`check_model` verifies all of this at load time by tracing one abstract call, and names the part that is missing.
+Sampling, paged KV, continuous batching, prefix caching and sharding (from each Param's `out_sharding` logical
+axes, see `jaxinfer.sharding.RULES`) are the engine's and apply unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.transformer import AttentionFn
+
+
+class ProtocolError(TypeError):
+    """A user model that does not follow the decoder protocol; the message names the missing part."""
+
+
+@runtime_checkable
+class DecoderModel(Protocol):
+    config: ModelConfig
+
+    def __call__(
+        self, token_ids: jax.Array, positions: jax.Array, kv_cache: list, attend: AttentionFn
+    ) -> tuple[jax.Array, list]: ...
+
+    def logits(self, hidden: jax.Array) -> jax.Array: ...
+
+
+def check_model(model: Any) -> ModelConfig:
+    """Raises ProtocolError naming the first part of the protocol `model` misses; returns its config."""
+    name = type(model).__name__
+    if not isinstance(model, nnx.Module):
+        raise ProtocolError(f"model: expected a flax.nnx.Module following jaxinfer.model.protocol, got {name}")
+    cfg = getattr(model, "config", None)
+    if not isinstance(cfg, ModelConfig):
+        raise ProtocolError(
+            f"{name}.config: missing or not a jaxinfer.config.ModelConfig (got {type(cfg).__name__}); it describes "
+            "the KV cache the engine allocates (num_layers, num_kv_heads, head_dim, ...)"
+        )
+    for method, sig in (("__call__", "(token_ids, positions, kv_cache, attend)"), ("logits", "(hidden)")):
+        if not callable(getattr(type(model), method, None)):
+            raise ProtocolError(f"{name}.{method}{sig}: missing (see jaxinfer.model.protocol)")
+    _check_abstract_call(model, cfg, name)
+    return cfg
+
+
+def _check_abstract_call(model: nnx.Module, cfg: ModelConfig, name: str) -> None:
+    """One call on abstract values (nothing computed): shapes in and out, one attend per layer, the cache returned."""
+    b, t = 1, 2
+    calls: list[int] = []
+    want_q, want_kv = (b, t, cfg.num_heads, cfg.head_dim), (b, t, cfg.num_kv_heads, cfg.head_dim)
+
+    def attend(i, q, k, v, cache):
+        calls.append(i)
+        for part, x, want in (("q", q, want_q), ("k", k, want_kv), ("v", v, want_kv)):
+            if tuple(x.shape) != want:
+                raise ProtocolError(
+                    f"{name}.__call__: attend({part}=...) got shape {tuple(x.shape)} in layer {i}; the config says "
+                    f"[B, T, heads, head_dim] = {want}"
+                )
+        return jnp.zeros(q.shape, q.dtype), cache
+
+    graphdef, state = nnx.split(model)
+
+    def run(state):
+        m = nnx.merge(graphdef, state)
+        tokens, positions = jnp.zeros((b, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None]
+        cache = [(jnp.zeros(()), jnp.zeros(())) for _ in range(cfg.num_layers)]
+        out = m(tokens, positions, cache, attend)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ProtocolError(f"{name}.__call__: must return (hidden, kv_cache), got {type(out).__name__}")
+        hidden, new_cache = out
+        if not isinstance(new_cache, list | tuple) or len(new_cache) != cfg.num_layers:
+            raise ProtocolError(
+                f"{name}.__call__: must return the kv_cache as a list of config.num_layers={cfg.num_layers} entries"
+            )
+        if getattr(hidden, "ndim", None) != 3 or tuple(hidden.shape[:2]) != (b, t):
+            raise ProtocolError(f"{name}.__call__: hidden must be f[B, T, D], got {getattr(hidden, 'shape', hidden)}")
+        return m.logits(hidden)
+
+    logits = jax.eval_shape(run, state)
+    if sorted(calls) != list(range(cfg.num_layers)):
+        raise ProtocolError(
+            f"{name}.__call__: must call attend once per layer 0..{cfg.num_layers - 1} (config.num_layers), "
+            f"called it for layers {calls}"
+        )
+    if tuple(logits.shape) != (b, t, cfg.vocab_size):
+        raise ProtocolError(
+            f"{name}.logits: must map f[..., D] to f32[..., vocab_size={cfg.vocab_size}], got {tuple(logits.shape)}"
+        )
+
+
+def is_entry_point(spec: str) -> bool:
+    """`my_pkg.my_module:build`: a module path and an attribute, not a file or a preset."""
+    mod, sep, attr = spec.partition(":")
+    return bool(sep and mod and attr.isidentifier() and all(p.isidentifier() for p in mod.split(".")))
+
+
+def load_entry_point(spec: str) -> tuple[nnx.Module, Any]:
+    """Imports `pkg.module:build` and calls it: it returns a module, or (module, tokenizer)."""
+    mod, _, attr = spec.partition(":")
+    try:
+        build = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ProtocolError(f"model: cannot load {spec!r}: {e}") from e
+    out = build()
+    return out if isinstance(out, tuple) else (out, None)

@@ -1,0 +1,141 @@
+"""Bring your own model: a user nnx.Module that is none of the built-in families, served by the paged engine.
+
+Its greedy output through `LLM` (paged KV, continuous batching, chunked prefill, prefix cache) equals the module's
+own contiguous forward loop, which calls it without the engine: the whole sequence each step, with a plain causal
+attention written here. A module missing part of the protocol fails at load time, naming the part.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.llm import build_engine
+from jaxinfer.model.protocol import ProtocolError, check_model
+from tests.model.byo_model import CONFIG, ParallelLM, model
+
+TOKENIZER = "smollm2-135m-instruct"
+SETTINGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=8, num_kv_tokens=256,
+                compilation_cache=False)  # fmt: skip
+NEW = 8
+
+
+def _causal_attend(i, q, k, v, cache):
+    """Plain causal GQA over the whole sequence (no cache): q f[B,T,H,Dh], k, v f[B,T,Hkv,Dh]."""
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * CONFIG.scale
+    t = q.shape[1]
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v), cache
+
+
+@nnx.jit
+def _all_logits(model: ParallelLM, tokens: jax.Array) -> jax.Array:
+    """f32[L, V] for a right-padded sequence i32[1, L] (causal: padding never reaches the real tokens)."""
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    hidden, _ = model(tokens, positions, [None] * CONFIG.num_layers, _causal_attend)
+    return model.logits(hidden[0])
+
+
+def own_greedy_loop(model: ParallelLM, prompt: list[int], n: int) -> list[int]:
+    """The module's own contiguous forward pass, recomputed over the whole sequence for every new token (padded
+    to the context length, so one compiled program serves every step)."""
+    ids = list(prompt)
+    for _ in range(n):
+        tokens = np.zeros((1, SETTINGS["max_model_len"]), np.int32)
+        tokens[0, : len(ids)] = ids
+        ids.append(int(jnp.argmax(_all_logits(model, tokens)[len(ids) - 1])))
+    return ids[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(model(), tokenizer=TOKENIZER, **SETTINGS) as llm:
+        yield llm
+
+
+def test_user_module_paged_greedy_equals_its_own_loop(llm):
+    rng = np.random.default_rng(0)
+    # Lengths straddle page edges (8) and one exceeds the step's token budget (16), so it is prefilled in chunks;
+    # the repeated prompt hits the prefix cache.
+    prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (1, 8, 9, 27)]
+    prompts.append(prompts[3])
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    ref = model()
+    for p, o in zip(prompts, outs, strict=True):
+        assert list(o.outputs[0].token_ids) == own_greedy_loop(ref, p, NEW)
+
+
+def test_entry_point_string_loads_the_module():
+    """What `serve.py --model tests.model.byo_model:build` does: the server's builder is `build_engine`."""
+    engine, tok = build_engine("tests.model.byo_model:build", **SETTINGS)  # build() names its tokenizer
+    assert engine.runner.cfg == CONFIG
+    assert isinstance(engine.runner.model_def.merge(engine.runner.weights), ParallelLM)
+    with pytest.raises(ProtocolError, match="no_such_module"):
+        build_engine("no_such_module:build", tokenizer=tok, **SETTINGS)
+
+
+# ---------------------------------------------------------------------------------------------- broken modules
+
+SMALL = CONFIG.replace(vocab_size=16)
+
+
+class NoConfig(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros(2))
+
+
+class NoLogits(ParallelLM):
+    logits = None
+
+
+class SkipsALayer(ParallelLM):
+    def __call__(self, token_ids, positions, kv_cache, attend):
+        def only_layer_0(i, q, k, v, cache):
+            return attend(i, q, k, v, cache) if i == 0 else (q, cache)
+
+        return super().__call__(token_ids, positions, kv_cache, only_layer_0)
+
+
+class ReturnsNoCache(ParallelLM):
+    def __call__(self, token_ids, positions, kv_cache, attend):
+        return super().__call__(token_ids, positions, kv_cache, attend)[0]
+
+
+class WrongHeads(ParallelLM):
+    def __init__(self, rngs):
+        super().__init__(SMALL, rngs=rngs)
+        self.config = SMALL.replace(num_heads=2)
+
+
+@pytest.mark.parametrize(
+    "make, part",
+    [
+        (lambda: object(), "expected a flax.nnx.Module"),
+        (NoConfig, r"NoConfig\.config"),
+        (lambda: NoLogits(SMALL, rngs=nnx.Rngs(0)), r"NoLogits\.logits\(hidden\): missing"),
+        (lambda: SkipsALayer(SMALL, rngs=nnx.Rngs(0)), "must call attend once per layer"),
+        (lambda: ReturnsNoCache(SMALL, rngs=nnx.Rngs(0)), r"must return \(hidden, kv_cache\)"),
+        (lambda: WrongHeads(nnx.Rngs(0)), r"attend\(q=\.\.\.\) got shape \(1, 2, 4, 8\)"),
+    ],
+)
+def test_protocol_violation_names_the_part(make, part):
+    with pytest.raises(ProtocolError, match=part):
+        check_model(make())
+
+
+def test_violation_fails_at_load_time(llm):
+    with pytest.raises(ProtocolError, match=r"ReturnsNoCache\.__call__"):
+        LLM(ReturnsNoCache(SMALL, rngs=nnx.Rngs(0)), tokenizer=llm.tokenizer, **SETTINGS)
+
+
+def test_builtin_family_follows_the_protocol():
+    from jaxinfer.model import Transformer
+
+    cfg = CONFIG.replace(arch="llama", vocab_size=16)
+    assert check_model(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))) == cfg
