@@ -22,15 +22,17 @@ from unittest import mock
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.runner import CacheConfig, _paged_attend, kv_bytes_per_token, paged_step
 from jaxinfer.engine.transfer import from_flat, to_flat
-from jaxinfer.model.transformer import forward, logits, param_axes, param_shapes
+from jaxinfer.model.functional import split_model
+from jaxinfer.model.transformer import abstract_model
 from jaxinfer.sampling import build_sampling_tensors
-from jaxinfer.sharding import KV_POOL_AXES, make_mesh, sharded_config, spec, tree_shardings
+from jaxinfer.sharding import KV_POOL_AXES, make_mesh, sharded_config, spec, state_shardings
 from jaxinfer.step import pack
 
 # No TPU is attached here: let several processes load libtpu at once (its lockfile otherwise fails the second one, e.g.
@@ -91,16 +93,12 @@ def tpu_devices(topology: str) -> list:
 
 def pool_pages(cfg: ModelConfig, cc: CacheConfig, hbm_bytes: int, num_devices: int) -> int:
     """The engine's pool size on a device with this much memory: half of what the weights leave free."""
-    weights = sum(int(np.prod(s)) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=_is_shape))
+    weights = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(abstract_model(cfg)[1]))
     weights *= np.dtype(cfg.dtype).itemsize
     free = hbm_bytes * num_devices - weights
     if free <= 0:
         raise ValueError(f"{weights / 2**30:.1f} GiB of weights do not fit {num_devices} x {hbm_bytes / 2**30} GiB")
     return int(free * cc.memory_fraction) // (kv_bytes_per_token(cfg, cc.kv_cache_dtype) * cc.page_size)
-
-
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
 
 
 @dataclass(frozen=True)
@@ -127,40 +125,49 @@ def step_args(case: StepCase, devices: list, tp: int, impl: str) -> tuple[tuple,
     if tp == 1:
         mesh = None
         rep = pool = SingleDeviceSharding(devices[0])
-        params_sh = jax.tree.map(lambda _: rep, param_axes(cfg), is_leaf=_is_axes)
     else:
         mesh = make_mesh(tp, 1, devices=devices)
         cfg = sharded_config(cfg, tp)
         rep, pool = NamedSharding(mesh, P()), NamedSharding(mesh, spec(KV_POOL_AXES, mesh))
-        params_sh = tree_shardings(param_axes(cfg), mesh)
-    params = jax.tree.map(
-        lambda shape, sh: jax.ShapeDtypeStruct(shape, cfg.dtype, sharding=sh),
-        param_shapes(cfg), params_sh, is_leaf=_is_shape,
+    # The family's abstract nnx state, each parameter placed from its logical axes (replicated on one device).
+    state = abstract_model(cfg)[1]
+    shardings = state_shardings(state, mesh) if mesh is not None else None
+    state = nnx.map_state(
+        lambda path, v: v.replace(jax.ShapeDtypeStruct(
+            v.shape, cfg.dtype, sharding=rep if shardings is None else _at(shardings, path)[...]
+        )),
+        state,
     )  # fmt: skip
+    model_def, weights = split_model(cfg, state)
     kv_shape = (case.num_pages, cc.page_size, cfg.num_kv_heads, cfg.head_dim)
     kv_dtype = cc.kv_cache_dtype or cfg.dtype
     kv = [(jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=pool),) * 2 for _ in range(cfg.num_layers)]
     feed = jax.ShapeDtypeStruct((s,), np.int32, sharding=rep)
     flat = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in flat)
-    args = (params, cfg, kv, feed, flat, layout, case.decode_only, False, cc.max_logprobs, impl, mesh, False)
+    args = (
+        model_def, weights, cfg, kv, feed, flat, layout, case.decode_only, False, cc.max_logprobs, impl, mesh, False
+    )  # fmt: skip
     return args, dict(mesh=mesh, cfg=cfg)
 
 
-def _is_axes(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+def _at(state: nnx.State, path: tuple) -> nnx.Variable:
+    for key in path:
+        state = state[key]
+    return state
 
 
-@partial(jax.jit, static_argnames=("cfg", "layout", "decode_only", "impl", "mesh"), donate_argnames=("kv",))
-def model_step(params, cfg, kv, flat, layout, decode_only: bool, impl: str | None, mesh):
+@partial(
+    jax.jit, static_argnames=("model_def", "cfg", "layout", "decode_only", "impl", "mesh"), donate_argnames=("kv",)
+)
+def model_step(model_def, weights, cfg, kv, flat, layout, decode_only: bool, impl: str | None, mesh):
     """`paged_step` up to the logits of the sampled rows: the same packed inputs, the engine's own attention closure
     (K/V writes, the dispatched kernel, shard_map over the model axis), without the sampler. The sampler does not
     depend on the model's shapes and takes most of the step's TPU compile time, so the model matrix compiles this
     and one whole `paged_step` per bucket covers the sampler."""
     inp, _ = from_flat(flat, layout)
-    hidden, kv = forward(
-        params, cfg, inp.token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh)
-    )
-    return logits(params, cfg, hidden[0][inp.logits_indices]), kv
+    model = model_def.merge(weights)
+    hidden, kv = model(inp.token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh))
+    return model.logits(hidden[0][inp.logits_indices]), kv
 
 
 @functools.lru_cache(maxsize=8)  # a compiled step is checked by more than one test
@@ -170,8 +177,8 @@ def compile_for_tpu(case: StepCase, topology: str, tp: int = 1, whole_step: bool
     devices = tpu_devices(topology)[:tp]
     args, _ = step_args(case, devices, tp, "pallas_tpu")
     if not whole_step:
-        params, cfg, kv, _, flat, layout, decode_only, _, _, impl, mesh, _ = args
-        args = (params, cfg, kv, flat, layout, decode_only, impl, mesh)
+        model_def, weights, cfg, kv, _, flat, layout, decode_only, _, _, impl, mesh, _ = args
+        args = (model_def, weights, cfg, kv, flat, layout, decode_only, impl, mesh)
     fn = paged_step if whole_step else model_step
     with jax.default_device(devices[0]):  # Pallas TPU reads the chip generation from the default device
         return fn.lower(*args).compile().as_text()
