@@ -32,7 +32,7 @@ from jaxinfer.engine.transfer import from_flat, to_flat
 from jaxinfer.model.functional import split_model
 from jaxinfer.model.transformer import abstract_model
 from jaxinfer.sampling import build_sampling_tensors
-from jaxinfer.sharding import KV_POOL_AXES, make_mesh, sharded_config, spec, state_shardings
+from jaxinfer.sharding import KV_POOL_AXES, make_mesh, sharded_config, spec, var_axes
 from jaxinfer.step import pack
 
 # No TPU is attached here: let several processes load libtpu at once (its lockfile otherwise fails the second one, e.g.
@@ -130,14 +130,11 @@ def step_args(case: StepCase, devices: list, tp: int, impl: str) -> tuple[tuple,
         cfg = sharded_config(cfg, tp)
         rep, pool = NamedSharding(mesh, P()), NamedSharding(mesh, spec(KV_POOL_AXES, mesh))
     # The family's abstract nnx state, each parameter placed from its logical axes (replicated on one device).
-    state = abstract_model(cfg)[1]
-    shardings = state_shardings(state, mesh) if mesh is not None else None
-    state = nnx.map_state(
-        lambda path, v: v.replace(jax.ShapeDtypeStruct(
-            v.shape, cfg.dtype, sharding=rep if shardings is None else _at(shardings, path)[...]
-        )),
-        state,
-    )  # fmt: skip
+    def place(path, v: nnx.Variable) -> nnx.Variable:
+        sh = rep if mesh is None else NamedSharding(mesh, spec(var_axes(v), mesh))
+        return v.replace(jax.ShapeDtypeStruct(v.shape, cfg.dtype, sharding=sh))
+
+    state = nnx.map_state(place, abstract_model(cfg)[1])
     model_def, weights = split_model(cfg, state)
     kv_shape = (case.num_pages, cc.page_size, cfg.num_kv_heads, cfg.head_dim)
     kv_dtype = cc.kv_cache_dtype or cfg.dtype
@@ -148,12 +145,6 @@ def step_args(case: StepCase, devices: list, tp: int, impl: str) -> tuple[tuple,
         model_def, weights, cfg, kv, feed, flat, layout, case.decode_only, False, cc.max_logprobs, impl, mesh, False
     )  # fmt: skip
     return args, dict(mesh=mesh, cfg=cfg)
-
-
-def _at(state: nnx.State, path: tuple) -> nnx.Variable:
-    for key in path:
-        state = state[key]
-    return state
 
 
 @partial(
