@@ -9,6 +9,12 @@ import os
 
 DEVICE_TESTS = os.environ.get("JAXINFER_TEST_DEVICE") == "1"
 
+# One persistent compilation cache for the test processes and the servers they start (the same directory as
+# LLM()'s default): a program compiled once on a machine is loaded, not recompiled, by later tests and runs. Counting
+# compiles still works: jax reports a cache load as a backend compile too (jaxinfer.engine.runner.compile_count).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxinfer/xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
 if not DEVICE_TESTS:
     # Pinned: on a GPU/TPU host the CPU suite must not grab the accelerator, and CI has none.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
