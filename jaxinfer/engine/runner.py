@@ -361,4 +361,7 @@ class ModelRunner:
                 st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
                 out, _ = self.launch(inp, st, decode_only, adv, False)
         jax.block_until_ready(out)
+        if self.exec_cache is not None:
+            ec = self.exec_cache
+            log.info("executable cache %s: %d steps loaded, %d compiled", ec.directory, ec.loaded, ec.compiled)
         return time.perf_counter() - t0

@@ -1,0 +1,113 @@
+"""Start-up time of `python serve.py`: seconds until /health answers 200 (every bucket compiled), cold and warm.
+
+    python -m benchmarks.bench_startup                      # the default model, no flags: what a new user runs
+    python -m benchmarks.bench_startup --serve-args "--max-model-len 512 --num-kv-tokens 4096" --out start.json
+
+Cold: fresh, empty compilation and conversion caches (temporary directories). Warm: the same command again, on the
+caches the cold run filled. `warm-noexec`: warm with JAXINFER_EXEC_CACHE=0 (only jax's persistent XLA cache, so
+every step is traced and lowered again): the executable cache's share, side by side.
+The engine process logs its start-up summary (load, buckets, compile seconds); the table puts those beside the
+wall time to ready. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from benchmarks.bench_attention import format_table
+from benchmarks.common import host_metadata
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_once(serve_args: list[str], env: dict[str, str], log: Path, timeout: float) -> dict:
+    port = _free_port()
+    cmd = [sys.executable, str(REPO / "serve.py"), "--port", str(port), *serve_args]
+    t0 = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while time.monotonic() - t0 < timeout:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"serve.py exited {proc.returncode}: {log.read_text()[-3000:]}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            else:
+                raise TimeoutError(f"not ready after {timeout}s")
+            ready = time.monotonic() - t0
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    text = log.read_text()
+
+    def grab(pattern: str) -> float | None:
+        m = re.search(pattern, text)
+        return float(m.group(1)) if m else None
+
+    buckets = re.search(r"buckets\s+(\d+) compiled", text)
+    return {
+        "ready_s": round(ready, 2),
+        "load_s": grab(r"model \S+ loaded in ([\d.]+)s"),
+        "compile_s": grab(r"compiled steps warmed up in ([\d.]+)s"),
+        "buckets": int(buckets.group(1)) if buckets else None,
+        "kv": (re.search(r"KV cache\s+(.*)", text) or [None, None])[1],
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_startup", description=__doc__.split("\n")[0])
+    p.add_argument("--serve-args", default="", help="flags for serve.py, one string (default: none)")
+    p.add_argument("--runs", default="cold,warm,warm-noexec,warm",
+                   help="which starts, in order (default: cold,warm,warm-noexec,warm)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for /health (default: 1800)")
+    p.add_argument("--out", default=None, help="JSON file for the results (default: none)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jaxinfer-startup-") as tmp:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "JAXINFER_COMPILE_CACHE": f"{tmp}/xla",
+               "JAXINFER_CACHE": f"{tmp}/converted"}  # fmt: skip
+        for run in args.runs.split(","):
+            run_env = {**env, "JAXINFER_EXEC_CACHE": "0"} if run.endswith("-noexec") else env
+            r = start_once(shlex.split(args.serve_args), run_env, Path(tmp) / f"{run}.log", args.timeout)
+            rows.append({"run": run, **r})
+            print(f"{run}: {r}", file=sys.stderr)
+    cols = ["run", "ready_s", "load_s", "compile_s", "buckets"]
+    print(format_table(cols, [[str(r[c]) for c in cols] for r in rows]))
+    if rows:
+        print(f"KV cache: {rows[-1]['kv']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": host_metadata("bench_startup", args, argv or sys.argv[1:]),
+                                              "rows": rows}, indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
