@@ -4,8 +4,10 @@
     python -m benchmarks.bench_startup --serve-args "--max-model-len 512 --num-kv-tokens 4096" --out start.json
 
 Cold: fresh, empty compilation and conversion caches (temporary directories). Warm: the same command again, on the
-caches the cold run filled. The engine process logs its start-up summary (load, buckets, compile seconds); the
-table puts those beside the wall time to ready. Nothing here asserts a time.
+caches the cold run filled. `warm-noexec`: warm with JAXINFER_EXEC_CACHE=0 (only jax's persistent XLA cache, so
+every step is traced and lowered again): the executable cache's share, side by side.
+The engine process logs its start-up summary (load, buckets, compile seconds); the table puts those beside the
+wall time to ready. Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def start_once(serve_args: list[str], env: dict[str, str], log: Path, timeout: f
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_startup", description=__doc__.split("\n")[0])
     p.add_argument("--serve-args", default="", help="flags for serve.py, one string (default: none)")
-    p.add_argument("--runs", default="cold,warm", help="which starts, in order (default: cold,warm)")
+    p.add_argument("--runs", default="cold,warm,warm-noexec,warm",
+                   help="which starts, in order (default: cold,warm,warm-noexec,warm)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for /health (default: 1800)")
     p.add_argument("--out", default=None, help="JSON file for the results (default: none)")
     return p.parse_args(argv)
@@ -92,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = {**os.environ, "PYTHONPATH": str(REPO), "JAXINFER_COMPILE_CACHE": f"{tmp}/xla",
                "JAXINFER_CACHE": f"{tmp}/converted"}  # fmt: skip
         for run in args.runs.split(","):
-            r = start_once(shlex.split(args.serve_args), env, Path(tmp) / f"{run}.log", args.timeout)
+            run_env = {**env, "JAXINFER_EXEC_CACHE": "0"} if run.endswith("-noexec") else env
+            r = start_once(shlex.split(args.serve_args), run_env, Path(tmp) / f"{run}.log", args.timeout)
             rows.append({"run": run, **r})
             print(f"{run}: {r}", file=sys.stderr)
     cols = ["run", "ready_s", "load_s", "compile_s", "buckets"]

@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
 from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import CUSTOM_ARCH, ModelConfig
+from jaxinfer.engine.exec_cache import ExecutableCache
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
 from jaxinfer.model.functional import ModelDef, split_model
@@ -281,6 +282,9 @@ class ModelRunner:
         self.feed = jax.device_put(np.zeros(cache.max_num_seqs, np.int32), self._replicated)
         self.buckets = bucket_table(jax.default_backend(), cache.max_num_seqs, cache.max_num_batched_tokens)
         self.seq_buckets, self.token_buckets = self.buckets.seq_buckets, self.buckets.token_buckets
+        # Serialized compiled steps (None: off): a warm start skips tracing and lowering. See exec_cache.
+        self.exec_cache = ExecutableCache.from_jax_config()
+        self._compiled: dict[tuple, Callable] = {}
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB in all); up to %d sequences of %d tokens. "
             "Chosen: %s",
@@ -357,10 +361,21 @@ class ModelRunner:
         return self.collect(self.dispatch(chunks, rows))[0]
 
     def _step(self, flat: tuple, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool = False):
-        return paged_step(
-            self.model_def, self.weights, self.cfg, self.kv, self.feed, flat, layout, decode_only, advanced,
-            self.cc.max_logprobs, self.attn_impl, self.mesh, prompt_lp,
+        dynamic = dict(weights=self.weights, kv=self.kv, feed=self.feed, flat=flat)
+        static = dict(
+            model_def=self.model_def, cfg=self.cfg, layout=layout, decode_only=decode_only, advanced=advanced,
+            num_logprobs=self.cc.max_logprobs, impl=self.attn_impl, mesh=self.mesh, prompt_logprobs=prompt_lp,
         )  # fmt: skip
+        if self.exec_cache is None or self.cfg.arch == CUSTOM_ARCH:
+            # A user module's code is not in the cache key (only jaxinfer's source is): always trace it.
+            return paged_step(**dynamic, **static)
+        # --- executable cache hook: one compiled step per static combination, loaded from disk when stored ---
+        key = (layout, decode_only, advanced, prompt_lp)
+        fn = self._compiled.get(key)
+        if fn is None:
+            extra = (self.cc, self.num_pages)  # the pool's shape is in `kv`; the config names the rest
+            fn = self._compiled[key] = self.exec_cache.load_or_compile(paged_step, dynamic, static, extra)
+        return fn(**dynamic)
 
     def warmup(
         self, advanced: bool = True, prompt_logprobs: bool = False, progress: Callable[[int, int], None] | None = None
@@ -383,4 +398,7 @@ class ModelRunner:
                     if progress is not None:  # the launch compiled the bucket before it returned
                         progress(done, total)
         jax.block_until_ready(out)
+        if self.exec_cache is not None:
+            ec = self.exec_cache
+            log.info("executable cache %s: %d steps loaded, %d compiled", ec.directory, ec.loaded, ec.compiled)
         return time.perf_counter() - t0

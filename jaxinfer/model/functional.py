@@ -24,6 +24,10 @@ class ModelDef:
     def __init__(self, graphdef: nnx.GraphDef, treedef: Any):
         self.graphdef, self.treedef = graphdef, treedef
 
+    def __repr__(self) -> str:
+        # Stable across processes (no object ids): the executable cache keys compiled steps by it.
+        return f"ModelDef({self.graphdef!r}, {self.treedef!r})"
+
     def merge(self, leaves: list[jax.Array]) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
 

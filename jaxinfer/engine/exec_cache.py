@@ -1,0 +1,165 @@
+"""A cache of serialized compiled steps, so a warm start skips tracing and lowering as well as XLA compilation.
+
+jax's persistent compilation cache only skips the XLA compile: every start still traces and lowers each bucket of
+the unrolled model (most of a warm start's warm-up). Here each compiled step is serialized
+(`jax.experimental.serialize_executable`) into a file named by a hash of everything that changes the program:
+jax/jaxlib versions, backend and devices, compile-affecting flags, the treedef/shapes/dtypes/shardings of every
+dynamic argument (params pytree, KV pools, step buffers: generic over how params are held), the static arguments
+(model config, layout, flags, kernel choice, mesh), the caller's extra key (the cache config) and a hash of this
+package's own source files (a code change invalidates every entry). A warm start deserializes and loads it.
+
+Files live in `<jax compilation cache dir>/jaxinfer-exec/`, so `--compilation-cache-dir` moves them and
+`--no-compilation-cache` turns them off; `JAXINFER_EXEC_CACHE=0` turns off only this layer. Writes are atomic
+(temporary file + rename). An unreadable, corrupt or mismatched entry logs one warning and compiles normally.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the file layout below changes
+SUBDIR = "jaxinfer-exec"
+_PACKAGES = ("jaxinfer", "kernels_pallas")  # whose source is part of every key
+
+# What deserialisation raises on a corrupt, truncated or foreign file (pickle and the runtime's loader).
+LOAD_ERRORS = (
+    OSError,
+    EOFError,
+    pickle.UnpicklingError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    KeyError,
+    IndexError,
+    jax.errors.JaxRuntimeError,
+)
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 over the .py files of this package and its kernels: a code change invalidates every entry."""
+    import importlib
+
+    h = hashlib.sha256()
+    for name in _PACKAGES:
+        root = Path(importlib.import_module(name).__file__).parent
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _environment() -> tuple:
+    devices = jax.devices()
+    return (
+        FORMAT,
+        jax.__version__,
+        jaxlib.__version__,
+        jax.default_backend(),
+        devices[0].client.platform_version,
+        tuple((d.id, d.device_kind, d.process_index) for d in devices),
+        jax.process_count(),
+        jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
+        os.environ.get("XLA_FLAGS", ""),
+        source_hash(),
+    )
+
+
+def _leaf_key(x: Any) -> tuple:
+    return (tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None)), getattr(x, "committed", None))
+
+
+def _static_key(v: Any) -> str:
+    """repr of a static argument; a Mesh's repr omits its devices, so they are added."""
+    if isinstance(v, jax.sharding.Mesh):
+        return f"{v!r} devices={v.device_ids.tolist()}"
+    return repr(v)
+
+
+def entry_key(dynamic: Mapping[str, Any], static: Mapping[str, Any], extra: Any = None) -> str:
+    """The hex digest naming a compiled step's file. Builds no program: cheap next to tracing."""
+    leaves, treedef = jax.tree.flatten(dict(dynamic))
+    parts = (
+        _environment(),
+        str(treedef),
+        tuple(_leaf_key(x) for x in leaves),
+        tuple((k, _static_key(static[k])) for k in sorted(static)),
+        repr(extra),
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+class ExecutableCache:
+    """Loads a compiled step from `directory` or compiles and stores it. Counts hits/misses for the start-up log."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.loaded = 0
+        self.compiled = 0
+
+    @classmethod
+    def from_jax_config(cls) -> ExecutableCache | None:
+        """The cache under jax's persistent compilation cache dir, or None where that is off (or with several
+        processes, whose executables span hosts) or JAXINFER_EXEC_CACHE=0."""
+        base = jax.config.jax_compilation_cache_dir
+        if not base or os.environ.get("JAXINFER_EXEC_CACHE", "1") == "0" or jax.process_count() > 1:
+            return None
+        return cls(Path(base) / SUBDIR)
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.exec"
+
+    def load_or_compile(
+        self, jitted: Callable, dynamic: Mapping[str, Any], static: Mapping[str, Any], extra: Any = None
+    ) -> Callable:
+        """A jax Compiled for `jitted(**dynamic, **static)`, to be called as `fn(**dynamic)`."""
+        key = entry_key(dynamic, static, extra)
+        path = self.path(key)
+        if path.exists():
+            try:
+                fn = self._load(path, key)
+                self.loaded += 1
+                return fn
+            except LOAD_ERRORS as e:
+                log.warning("executable cache: cannot load %s (%s: %s); compiling", path.name, type(e).__name__, e)
+        fn = jitted.lower(**dynamic, **static).compile()
+        self.compiled += 1
+        self._store(path, key, fn)
+        return fn
+
+    @staticmethod
+    def _load(path: Path, key: str) -> Callable:
+        with path.open("rb") as f:
+            stored_key, payload, in_tree, out_tree = pickle.load(f)
+        if stored_key != key:  # a renamed or colliding file: never run a program built for something else
+            raise ValueError("key mismatch")
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+
+    def _store(self, path: Path, key: str, fn: Any) -> None:
+        """Atomic: a concurrent reader sees the old file, the new one, or none; never a partial one."""
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(fn)
+            data = pickle.dumps((key, payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=path.name, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except (OSError, pickle.PicklingError, TypeError, jax.errors.JaxRuntimeError) as e:
+            # Not fatal: this start has its program; the next one compiles again.
+            log.warning("executable cache: cannot store %s (%s: %s)", path.name, type(e).__name__, e)

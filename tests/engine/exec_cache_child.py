@@ -1,0 +1,40 @@
+"""Run in a fresh process by test_exec_cache.py: a tiny engine on a given cache dir; prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from jaxinfer.engine.runner import compile_count, enable_compilation_cache
+
+
+def main(cache_dir: str, norm_eps: float) -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    enable_compilation_cache(cache_dir)
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.engine.runner import CacheConfig
+    from jaxinfer.model import init_params
+    from jaxinfer.types import SamplingParams
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=256, norm_eps=norm_eps)  # fmt: skip
+    cache = CacheConfig(page_size=4, num_pages=40, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+    eng = Engine(cfg, init_params(cfg, seed=0, std=0.5), cache, eos_token_ids=(), seed=0)
+    before = compile_count()  # the pool's zero-fill and init_params' ops are compiled (or cache-read) above
+    eng.runner.warmup(advanced=False)
+    prompts = [[5, 9, 2, 33], list(range(2, 30)), [7]]
+    sps = [SamplingParams(max_tokens=8, temperature=t, seed=3, ignore_eos=True) for t in (0.0, 1.0, 0.0)]
+    outs = eng.generate(prompts, sps)
+    ec = eng.runner.exec_cache
+    print(json.dumps({
+        "step_compiles": compile_count() - before,
+        "loaded": ec.loaded,
+        "compiled": ec.compiled,
+        "tokens": [o[0].output_token_ids for o in outs],
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]))

@@ -1,0 +1,116 @@
+"""The executable cache: a fresh process loads serialized steps with no compiles and the same tokens; a corrupt
+entry falls back to a compile with a warning; anything that changes the program changes the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.engine import exec_cache
+from jaxinfer.engine.exec_cache import ExecutableCache, entry_key
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _child(cache_dir: Path, norm_eps: float = 1e-6) -> tuple[dict, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("JAXINFER_EXEC_CACHE", None)
+    cmd = [sys.executable, "-m", "tests.engine.exec_cache_child", str(cache_dir), str(norm_eps)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """One cold start on an empty cache dir: it compiles every step and stores each."""
+    cache_dir = tmp_path_factory.mktemp("xla")
+    out, _ = _child(cache_dir)
+    return cache_dir, out
+
+
+def test_fresh_process_loads_steps_without_compiling(cold):
+    cache_dir, first = cold
+    assert first["loaded"] == 0 and first["compiled"] == first["step_compiles"] > 0
+    assert len(list((cache_dir / exec_cache.SUBDIR).glob("*.exec"))) == first["compiled"]
+    warm, _ = _child(cache_dir)
+    assert warm["step_compiles"] == 0  # no backend compile (nor persistent-cache read) for any step
+    assert warm["loaded"] == first["compiled"] and warm["compiled"] == 0
+    assert warm["tokens"] == first["tokens"]
+
+
+def test_corrupt_entry_falls_back_with_a_warning(cold, tmp_path):
+    cache_dir, first = cold
+    entries = sorted((cache_dir / exec_cache.SUBDIR).glob("*.exec"))
+    broken = tmp_path / "xla"
+    (broken / exec_cache.SUBDIR).mkdir(parents=True)
+    for i, f in enumerate(entries):  # a copy: the warm test above must see intact files
+        data = f.read_bytes()
+        (broken / exec_cache.SUBDIR / f.name).write_bytes(data[: len(data) // 2] if i == 0 else data)
+    out, err = _child(broken)
+    assert "executable cache: cannot load" in err
+    assert out["compiled"] == 1 and out["loaded"] == len(entries) - 1
+    assert out["tokens"] == first["tokens"]
+    # The fallback rewrote the entry: the next start loads all of them.
+    again, _ = _child(broken)
+    assert again["loaded"] == len(entries) and again["step_compiles"] == 0
+
+
+@jax.jit
+def _double(x):
+    return 2 * x
+
+
+def _key(**change):
+    dynamic = {"params": {"w": change.get("w", jnp.ones((4, 4), jnp.float32))}, "x": jnp.ones(3)}
+    static = {"cfg": change.get("cfg", ("llama", 1e-6)), "bucket": change.get("bucket", 8), "impl": None}
+    return entry_key(dynamic, static, change.get("extra", "cache-config"))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"cfg": ("llama", 1e-5)},  # same shapes, different program
+        {"bucket": 16},
+        {"extra": "other-cache-config"},
+        {"w": jnp.ones((4, 4), jnp.bfloat16)},
+        {"w": jnp.ones((4, 8), jnp.float32)},
+        {"w": {"nested": jnp.ones((4, 4), jnp.float32)}},  # another params tree structure
+    ],
+    ids=["config", "bucket", "cache-config", "dtype", "shape", "tree"],
+)
+def test_anything_that_changes_the_program_changes_the_key(change):
+    assert _key() == _key()
+    assert _key(**change) != _key()
+
+
+def test_versions_and_source_change_the_key(monkeypatch):
+    base = _key()
+    monkeypatch.setattr(jax, "__version__", "0.0.0")
+    assert _key() != base
+    monkeypatch.undo()
+    monkeypatch.setattr(exec_cache, "source_hash", lambda: "edited")
+    assert _key() != base
+
+
+def test_mismatched_entry_is_refused(tmp_path, caplog):
+    """A file whose stored key differs from its name (renamed, or a hash collision) is never run."""
+    cache = ExecutableCache(tmp_path)
+    x = jnp.arange(3.0)
+    fn = cache.load_or_compile(_double, {"x": x}, {})
+    key = entry_key({"x": x}, {})
+    np.testing.assert_array_equal(fn(x=x), 2 * np.arange(3.0))
+    other = {"x": jnp.arange(4.0)}
+    cache.path(key).rename(cache.path(entry_key(other, {})))
+    with caplog.at_level("WARNING"):
+        fn = cache.load_or_compile(_double, other, {})
+    assert "key mismatch" in caplog.text and cache.compiled == 2 and cache.loaded == 0
+    np.testing.assert_array_equal(fn(**other), 2 * np.arange(4.0))
