@@ -21,7 +21,7 @@ class _CacheConfig:
 class _Runner:
     num_kv_tokens: int = 4096
 
-    def warmup(self, advanced: bool = True, prompt_logprobs: bool = False) -> float:
+    def warmup(self, advanced: bool = True, prompt_logprobs: bool = False, progress=None) -> float:
         return 0.0
 
 
