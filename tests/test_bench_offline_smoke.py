@@ -141,6 +141,6 @@ def test_random_params_device_path_matches_shapes(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(common, "_HOST_INIT_MAX_PARAMS", 0)  # take the on-device path used for billion-param shapes
     params = common.random_params(cfg)
     check_params(cfg, params)
-    assert params["embed"].dtype == jax.numpy.bfloat16
-    assert float(params["final_norm"][0]) == 1.0
-    assert 0.01 < float(jax.numpy.std(params["layers"][0]["q"].astype("float32"))) < 0.03
+    assert params["embedder"]["embedding"][...].dtype == jax.numpy.bfloat16
+    assert float(params["final_norm"]["scale"][...][0]) == 1.0
+    assert 0.01 < float(jax.numpy.std(params["layers"][0]["attn"]["q"]["kernel"][...].astype("float32"))) < 0.03
