@@ -37,7 +37,10 @@ from typing import Any
 import numpy as np
 
 ENGINES = ("hf", "llamacpp", "llamacpp-quant")
-LLAMA_CPP_WHEEL = "/work/shared/wheels/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+# ../shared/wheels beside the repository: llama-cpp-python built for these CPUs.
+LLAMA_CPP_WHEEL = str(
+    Path(__file__).resolve().parents[2] / "shared" / "wheels" / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+)
 
 Request = tuple[list[int], int]  # (prompt token ids, max_tokens)
 

@@ -10,7 +10,7 @@
 
 Peak bandwidth is measured here (a jitted `x + 1` over a large array: read + write bytes / time, like a memcpy),
 unless `--peak-gbs` is given. Peak FLOP/s comes from a table of device specs (dense bf16 on accelerators; for CPUs
-the figure in /work/shared/ANCHORS.md: ~150 GFLOP/s fp32 per core, so ~300 for the 2-core CI machine), unless
+the figure in ../shared/ANCHORS.md: ~150 GFLOP/s fp32 per core, so ~300 for the 2-core CI machine), unless
 `--peak-tflops` is given. `bench_latency` uses these functions for its MBU/MFU columns.
 """
 
