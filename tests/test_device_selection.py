@@ -99,7 +99,7 @@ def test_kv_cache_dtype_sets_the_pool_and_its_size(kv_cache_dtype, caplog):
     text = caplog.text
     assert f"backend {jax.default_backend()}" in text and "mesh none" in text
     assert f"KV cache dtype {expected.name}" in text
-    assert "attention: decode reference | mixed reference" in text
+    assert "attention: decode cpu | mixed cpu" in text  # the dispatcher's CPU path (kernels_pallas/cpu.py)
 
 
 def test_kv_cache_dtype_follows_the_model_unless_set():
