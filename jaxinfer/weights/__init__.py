@@ -22,7 +22,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.device import resolve_dtype
 from jaxinfer.model.transformer import Params, abstract_model
 from jaxinfer.model_files import resolve_model_path
-from jaxinfer.weights.checkpoint import FORMAT_VERSION, is_checkpoint, read_config, restore_checkpoint, save_checkpoint
+from jaxinfer.weights.checkpoint import FORMAT_VERSION, CheckpointError, is_checkpoint, read_config, restore_checkpoint, save_checkpoint
 from jaxinfer.weights.gguf_loader import load_gguf
 from jaxinfer.weights.hf import load_hf
 
@@ -104,10 +104,13 @@ def load_weights(
         del params
     try:
         cfg, params, _ = _restore(cached, dtype, mesh)
-    except Exception as e:  # a damaged cache entry is rebuilt, never trusted
+    except (CheckpointError, ValueError) as e:  # a damaged or stale cache entry is rebuilt once, never trusted
         log.warning("ignoring damaged conversion cache %s: %s", cached, e)
         shutil.rmtree(cached, ignore_errors=True)
-        return load_weights(path, dtype, cache_dir, use_cache, mesh)
+        cfg, params = load_gguf(path, dtype)
+        save_checkpoint(cached, cfg, params, source={"kind": "gguf", "path": str(path)})
+        del params
+        cfg, params, _ = _restore(cached, dtype, mesh)  # a second failure is a bug, not damage: it raises
     return cfg, params, path
 
 

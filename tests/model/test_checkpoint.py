@@ -101,6 +101,40 @@ def test_gguf_conversion_cache(tmp_path, monkeypatch):
     _assert_same(p1, p2)
 
 
+def test_gguf_conversion_cache_restores_onto_a_mesh(tmp_path):
+    """The cached conversion restores straight into a mesh's shardings (a 1-device mesh runs the same path as 8)."""
+    from jaxinfer.model_files import smollm2_gguf
+    from jaxinfer.sharding import make_mesh
+
+    cfg1, p1, _ = load_weights(smollm2_gguf(), cache_dir=tmp_path)
+    cfg2, p2, _ = load_weights(smollm2_gguf(), cache_dir=tmp_path, mesh=make_mesh(1, 1))
+    assert cfg1 == cfg2
+    _assert_same(p1, p2)
+
+
+def test_damaged_conversion_cache_is_rebuilt_once(tmp_path, monkeypatch):
+    """A damaged cache entry is rebuilt; a restore that fails again raises instead of rebuilding forever."""
+    import jaxinfer.weights as weights
+    from jaxinfer.model_files import smollm2_gguf
+
+    load_weights(smollm2_gguf(), cache_dir=tmp_path)
+    (params_dir,) = tmp_path.glob("*/params")
+    shutil.rmtree(params_dir)
+    cfg, _, _ = load_weights(smollm2_gguf(), cache_dir=tmp_path)
+    assert params_dir.is_dir() and cfg.arch == "llama"
+
+    restores = []
+
+    def always_damaged(path, *args):
+        restores.append(path)
+        raise CheckpointError(f"{path} is damaged")
+
+    monkeypatch.setattr(weights, "_restore", always_damaged)
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_weights(smollm2_gguf(), cache_dir=tmp_path)
+    assert len(restores) == 2
+
+
 def test_unknown_architecture_hf():
     with pytest.raises(UnsupportedConfigError, match="model_type='gpt2'"):
         from_hf_config({"model_type": "gpt2", "hidden_size": 8})
