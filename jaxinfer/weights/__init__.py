@@ -22,7 +22,14 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.device import resolve_dtype
 from jaxinfer.model.transformer import Params, abstract_model
 from jaxinfer.model_files import resolve_model_path
-from jaxinfer.weights.checkpoint import FORMAT_VERSION, CheckpointError, is_checkpoint, read_config, restore_checkpoint, save_checkpoint
+from jaxinfer.weights.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    is_checkpoint,
+    read_config,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from jaxinfer.weights.gguf_loader import load_gguf
 from jaxinfer.weights.hf import load_hf
 

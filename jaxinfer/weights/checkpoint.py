@@ -94,7 +94,8 @@ def restore_checkpoint(
     abstract = abstract_model(cfg)[1]
     sh = dict(shardings.flat_state()) if shardings is not None else {}
     target = nnx.map_state(
-        lambda p, v: v.replace(jax.ShapeDtypeStruct(v.shape, cfg.dtype, sharding=sh[p].get_value() if sh else None)), abstract
+        lambda p, v: v.replace(jax.ShapeDtypeStruct(v.shape, cfg.dtype, sharding=sh[p].get_value() if sh else None)),
+        abstract,
     )
     try:
         restored = ocp.StandardCheckpointer().restore(path / "params", nnx.to_pure_dict(target))
