@@ -24,7 +24,7 @@ from jaxinfer.cache.sizing import parse_bytes
 from jaxinfer.device import check_device, resolve_kv_cache_dtype
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.output import OutputProcessor
+from jaxinfer.engine.output import OutputAccumulator, OutputProcessor
 from jaxinfer.engine.runner import CacheConfig, enable_compilation_cache
 from jaxinfer.model.protocol import check_model, is_entry_point, load_entry_point
 from jaxinfer.model_files import DEFAULT_MODEL, resolve_model_path
@@ -224,6 +224,7 @@ class LLM:
 
     def _run(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
+        wholes = {rid: OutputAccumulator() for rid in rids}  # the processor's outputs are deltas
         pending = set(rids)
         bar = tqdm(total=len(rids), desc="Generating", disable=not use_tqdm, unit="req")
         try:
@@ -234,8 +235,11 @@ class LLM:
                 for sid, reason in to_stop:
                     self.engine.finish_sequence(sid, "stop", reason)
                 for out in outs:
-                    if out.finished and out.request_id in pending:
-                        final[out.request_id] = out
+                    if out.request_id not in pending:
+                        continue
+                    wholes[out.request_id].add(out)
+                    if out.finished:
+                        final[out.request_id] = wholes.pop(out.request_id).result()
                         pending.discard(out.request_id)
                         bar.update(1)
         except BaseException:

@@ -1,24 +1,24 @@
 """An asyncio front for the engine: the engine loop runs in a background thread; callers stream outputs.
 
-    async for out in engine.generate(prompt_ids, params, request_id):   # cumulative RequestOutputs
+    async for out in engine.generate(prompt_ids, params, request_id):   # RequestOutput deltas (output.py)
         ...
 
 Leaving the `async for` early (a client disconnect cancels the task) aborts the request, and its pages return
-to the pool on the engine thread's next turn. Only the engine thread touches the Engine; other threads talk to
-it through a command queue.
+to the pool on the engine thread's next turn; so does a caller that stops reading (stream_queue.py). Only the
+engine thread touches the Engine and the OutputProcessor (detokenization); other threads talk to it through a
+command queue. The lock guards the streams table only, and nothing slow runs under it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
+from jaxinfer.engine.stream_queue import StreamLimits, StreamQueue
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.types import RequestOutput, SamplingParams
 
@@ -29,20 +29,17 @@ class EngineDeadError(RuntimeError):
     """The engine thread died; no request can be served."""
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
 class AsyncEngine:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_waiting: int | None = None):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_waiting: int | None = None,
+                 limits: StreamLimits | None = None):  # fmt: skip
+        """`limits`: when a stream whose caller stopped reading is cut off (default StreamLimits())."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
+        self.limits = limits or StreamLimits()
         self.processor = OutputProcessor(tokenizer)
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, StreamQueue] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -66,11 +63,12 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Streams cumulative outputs of one request until it finishes. Raises ValueError for a bad request."""
+        """Streams one request's outputs (deltas) until it finishes. Raises ValueError for a bad request,
+        SlowReaderError when the caller stopped taking outputs and was cut off."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         ids = self.engine.validate(prompt_ids, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = StreamQueue(request_id, self.limits, self.abort)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -79,9 +77,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await stream.get()
                 yield item
                 if item.finished:
                     finished = True
@@ -113,10 +109,7 @@ class AsyncEngine:
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:
-            try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-            except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
-                pass
+            stream.put_threadsafe(item)
 
     def _drain_commands(self) -> None:
         while True:

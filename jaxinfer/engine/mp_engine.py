@@ -1,11 +1,16 @@
 """`MPAsyncEngine`: the server's engine front when the engine core runs in its own process (core_process.py).
 
 A drop-in for `AsyncEngine` as the server uses it (`alive`, `error`, `num_pending()`, `validate()`, async
-`generate()` yielding cumulative RequestOutputs, `abort()`, `shutdown()`, plus `stats()` for /metrics). What stays
+`generate()` yielding RequestOutput deltas, `abort()`, `shutdown()`, plus `stats()` for /metrics). What stays
 on the API side: validation (`Engine.validate` itself, run on the limits the core reported, so that a bad request
 is a synchronous ValueError -> 400 exactly as in-process), detokenization and stop strings (`OutputProcessor`;
 a stop string found here is sent to the core as "finish"). A reader thread takes results off the socket and hands
-each stream its outputs on its event loop.
+each stream its outputs on its event loop; a caller that stops reading is cut off (stream_queue.py).
+
+Locks: the reader thread alone touches the OutputProcessor (and the stop strings found): the event loop hands it
+its changes (a new request, a closed one) through a queue that the reader applies before each batch of results,
+so detokenizing a large batch holds nothing a handler waits for. `_lock` guards the streams table and `error`,
+for dict operations only.
 
 When the core process dies (killed, or an exception in its loop), every waiting stream gets EngineDeadError (the
 server turns it into 503), `alive` turns false (/health and new requests 503) and `on_death` is called so the
@@ -14,17 +19,16 @@ server can exit instead of serving nothing.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import shutil
 import signal
 import tempfile
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +37,7 @@ import zmq
 
 from jaxinfer.engine.async_engine import EngineDeadError  # one error for both fronts
 from jaxinfer.engine.core_process import pack, params_to_wire, run_core, unpack, update_from_wire
+from jaxinfer.engine.stream_queue import SlowReaderError, StreamLimits, StreamQueue
 from jaxinfer.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,18 +67,7 @@ class EngineStats:
     host_ms: float | None = None
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    seq_ids: list[str]
-    request_id: str = ""
-    last_take: float = 0.0  # when the caller last took an output (monotonic)
-    cut: bool = False  # cut off as a slow reader: nothing more is queued
-
-
-class SlowReaderError(RuntimeError):
-    """The stream's caller stopped taking its outputs: the request was aborted to bound what it holds."""
+__all__ = ["EngineDeadError", "EngineLoadError", "EngineStats", "MPAsyncEngine", "SlowReaderError"]
 
 
 class _Validator:
@@ -121,8 +115,7 @@ class MPAsyncEngine:
         self.max_model_len = 0
         self.kv_tokens = 0
         self.max_logprobs = args.max_logprobs
-        self.stream_stall_timeout = args.stream_stall_timeout
-        self.max_stream_buffer = args.max_stream_buffer
+        self.limits = StreamLimits(args.stream_stall_timeout, args.max_stream_buffer)
         self.core_pid: int | None = None
         self._stats = EngineStats()
         self._validator: _Validator | None = None
@@ -131,9 +124,11 @@ class MPAsyncEngine:
         self._ready = threading.Event()
         self._closing = False
         self._stop_reader = False
-        self._streams: dict[str, _Stream] = {}
-        self._stopped: set[str] = set()  # sequences a stop string ended here: the core's late tokens are dropped
-        self._lock = threading.Lock()  # the streams, the processor and `error`
+        self._streams: dict[str, StreamQueue] = {}
+        # The event loop's changes to the processor, applied by the reader thread: ("add", rid, prompt, ids,
+        # params) | ("forget", rid, seq ids) | ("abort", rid).
+        self._changes: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the streams table and `error`: dict operations only
         self._send_lock = threading.Lock()  # the commands socket (the event loop and the reader thread send)
         self._dir = tempfile.mkdtemp(prefix="jaxinfer-core-")
         self._ctx = zmq.Context()
@@ -202,27 +197,24 @@ class MPAsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Streams cumulative outputs of one request until it finishes. Raises ValueError for a bad request."""
+        """Streams one request's outputs (deltas) until it finishes. Raises ValueError for a bad request,
+        SlowReaderError when the caller stopped taking outputs and was cut off."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         ids = self.validate(prompt_ids, params)
-        sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sids, request_id, time.monotonic())
+        stream = StreamQueue(request_id, self.limits, self._cut)
         with self._lock:
             if self.error is not None:  # checked under the lock: a death after this point reaches this stream
                 raise EngineDeadError(f"engine is not running: {self.error!r}")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self.processor.add(request_id, prompt, ids, params)
+        self._changes.put(("add", request_id, prompt, ids, params))  # before the core can answer the "add"
         self._send(["add", request_id, ids, params_to_wire(params)])
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
-                stream.last_take = time.monotonic()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await stream.get()
                 yield item
                 if item.finished:
                     finished = True
@@ -230,19 +222,18 @@ class MPAsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-                self._stopped.difference_update(sids)
-                if not finished:
-                    self.processor.forget(request_id)
             if not finished:
-                self._send(["abort", request_id])
+                self._cut(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Aborts the request; its stream ends with a last output (finish_reason "abort")."""
+        self._changes.put(("abort", request_id))
         self._send(["abort", request_id])
-        with self._lock:
-            final = self.processor.abort(request_id) if self.processor is not None else None
-            stream = self._streams.get(request_id)
-        if final is not None and stream is not None:
-            self._deliver(stream, final)
+
+    def _cut(self, request_id: str) -> None:
+        """Aborts a request whose stream is gone (closed early, or cut off): no last output."""
+        self._changes.put(("forget", request_id))
+        self._send(["abort", request_id])
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the core (a "shutdown" command, then SIGKILL if it does not exit in `timeout`) and the reader."""
@@ -284,34 +275,6 @@ class MPAsyncEngine:
 
     # ------------------------------------------------------------------------------------------ reader thread
 
-    def _deliver(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(self._put, stream, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
-            pass
-
-    def _put(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
-        """On the caller's event loop. A caller that stopped taking outputs (an HTTP client that stopped reading,
-        without disconnecting: its response task waits on the socket) is cut off once `max_stream_buffer` outputs
-        wait for it, or its oldest waiting output is `stream_stall_timeout` seconds old: the request is aborted
-        (its pages return to the pool) and the caller finds a SlowReaderError when it reads again."""
-        if stream.cut:
-            return
-        q = stream.queue
-        stalled = q.qsize() > 0 and time.monotonic() - stream.last_take > self.stream_stall_timeout
-        if isinstance(item, BaseException) or not (q.qsize() >= self.max_stream_buffer or stalled):
-            q.put_nowait(item)
-            return
-        stream.cut = True
-        log.warning("request %s: its client stopped reading (%d outputs waiting); aborting it", stream.request_id,
-                    q.qsize())  # fmt: skip
-        self._send(["abort", stream.request_id])
-        with self._lock:
-            self.processor.forget(stream.request_id)
-        while not q.empty():  # what it would never read: dropped now, not when the connection finally closes
-            q.get_nowait()
-        q.put_nowait(SlowReaderError(f"request {stream.request_id} aborted: its client stopped reading"))
-
     def _read_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._results, zmq.POLLIN)
@@ -319,6 +282,7 @@ class MPAsyncEngine:
         try:
             while True:
                 events = dict(poller.poll(100))
+                self._apply_changes()  # an abort's last output goes out within a poll, results or not
                 if self._results in events:
                     self._drain_results()
                 elif self._proc.sentinel in events:
@@ -344,11 +308,8 @@ class MPAsyncEngine:
             if kind == "out":
                 self._on_outputs(msg)
             elif kind == "err":
-                with self._lock:
-                    stream = self._streams.get(msg["rid"])
-                    self.processor.forget(msg["rid"])
-                if stream is not None:
-                    self._deliver(stream, ValueError(msg["error"]))
+                self.processor.forget(msg["rid"])
+                self._deliver(msg["rid"], ValueError(msg["error"]))
             elif kind == "ready":
                 self._on_ready(msg)
             elif kind == "failed":
@@ -357,23 +318,41 @@ class MPAsyncEngine:
             elif kind == "dead":
                 self._die(f"engine process failed: {msg['type']}: {msg['error']}")
 
+    def _apply_changes(self) -> None:
+        """(reader) The event loop's changes to the processor, in the order they were made."""
+        while self.processor is not None:  # none can come before "ready" but a stray abort()
+            try:
+                change = self._changes.get_nowait()
+            except queue.Empty:
+                return
+            op, rid = change[0], change[1]
+            if op == "add":
+                self.processor.add(rid, *change[2:])
+            elif op == "forget":
+                self.processor.forget(rid)
+            elif op == "abort":
+                final = self.processor.abort(rid)
+                if final is not None:
+                    self._deliver(rid, final)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_threadsafe(item)
+
     def _on_outputs(self, msg: dict) -> None:
         self._stats = EngineStats(**msg["s"])
         if not msg["u"]:
             return
-        updates = [update_from_wire(w) for w in msg["u"]]
-        with self._lock:
-            if self._stopped:
-                # Tokens the core made before it heard of a stop string found here: not part of the output.
-                updates = [u for u in updates if u.request_id not in self._stopped]
-            outs, to_stop = self.processor.process(updates)
-            self._stopped.update(sid for sid, _ in to_stop)
-            deliveries = [(self._streams.get(out.request_id), out) for out in outs]
+        self._apply_changes()  # a request's "add" reaches the processor before its first tokens
+        # Detokenization and stop strings, under no lock: the processor is this thread's alone. The processor
+        # drops the tokens the core made before it heard of a stop string found here.
+        outs, to_stop = self.processor.process([update_from_wire(w) for w in msg["u"]])
         for sid, reason in to_stop:
             self._send(["finish", sid, "stop", reason])
-        for stream, out in deliveries:
-            if stream is not None:
-                self._deliver(stream, out)
+        for out in outs:
+            self._deliver(out.request_id, out)
 
     def _on_exit(self) -> None:
         self._proc.join(1)
@@ -403,7 +382,7 @@ class MPAsyncEngine:
                 self.error = error
             streams = list(self._streams.values())
         for stream in streams:
-            self._deliver(stream, error)
+            stream.put_threadsafe(error)
 
 
 def _describe(exitcode: int | None) -> str:

@@ -1,6 +1,13 @@
-"""Token updates -> RequestOutputs: detokenization, stop strings and the assembly of n samples per request.
+"""Token updates -> RequestOutput deltas: detokenization, stop strings and the assembly of n samples per request.
 
 Lives above the engine so that text work can move to another process than the device loop.
+
+Outputs are deltas: each RequestOutput holds, for each sample that moved, only what is new since that sample's
+previous output (its new text, token ids and logprobs), so that what waits in a stream's queue is bounded by the
+tokens made, never a copy of the whole output per step. A sample's new tokens wait here while their text is held
+back (an unfinished character, a possible stop string) and go out with the text they make: every delta a caller
+sees can be sent as it is. `cumulative_logprob` stays the running total; a request's `prompt_logprobs` come once,
+in its first output. `OutputAccumulator` adds deltas up into the whole output (non-streaming responses, `LLM`).
 """
 
 from __future__ import annotations
@@ -17,11 +24,18 @@ from jaxinfer.types import CompletionOutput, RequestMetrics, RequestOutput, Samp
 class _Seq:
     index: int
     detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_tokens: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sent_finish: bool = False  # the output that said it finished went out
+    # Not sent yet: tokens (and their logprobs) whose text is held back, and text that became final.
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+    def has_news(self) -> bool:
+        return bool(self.text) or (self.finish_reason is not None and not self.sent_finish)
 
 
 @dataclass
@@ -33,6 +47,7 @@ class _Req:
     seqs: dict[str, _Seq]
     arrival_time: float
     prompt_logprobs: list | None = None
+    sent_prompt_logprobs: bool = False
     error: str | None = None  # the engine failed it (finish_reason "error")
 
 
@@ -63,7 +78,7 @@ class OutputProcessor:
             self._seq_owner.pop(sid, None)
 
     def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[tuple[str, int | str]]]:
-        """Returns (a cumulative RequestOutput for each touched request, sequences to stop: (seq id, stop string))."""
+        """Returns (a delta RequestOutput for each request with news, sequences to stop: (seq id, stop string))."""
         touched: dict[str, _Req] = {}
         to_stop: list[tuple[str, int | str]] = []
         for u in updates:
@@ -72,6 +87,8 @@ class OutputProcessor:
                 continue
             req = self._reqs[rid]
             seq = req.seqs[u.request_id]
+            if seq.finish_reason is not None:  # tokens made before the engine heard of a stop string found here
+                continue
             touched[rid] = req
             if u.error is not None:  # the engine failed the request: every sample ends with it
                 req.error = u.error
@@ -81,27 +98,33 @@ class OutputProcessor:
             if u.prompt_logprobs is not None and req.prompt_logprobs is None:
                 req.prompt_logprobs = u.prompt_logprobs
             for tok, lp in zip(u.new_token_ids, u.new_logprobs or [None] * len(u.new_token_ids), strict=True):
-                if len(seq.token_ids) == req.params.min_tokens > 0:
+                if seq.detok.stopped:
+                    break  # past the stop string: not part of the output
+                if seq.num_tokens == req.params.min_tokens > 0:
                     seq.detok.arm_stop(req.params.stop)
+                seq.num_tokens += 1
                 seq.token_ids.append(tok)
-                seq.detok.add(tok)
+                if text := seq.detok.add(tok):
+                    seq.text.append(text)
                 if lp is not None:
                     seq.logprobs.append(lp)
                     seq.cumulative_logprob += lp.get(tok, -math.inf)
-            if seq.detok.stopped and seq.finish_reason is None:
+            if seq.detok.stopped:
                 seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
                 if not u.finished:
                     to_stop.append((u.request_id, seq.detok.stop_reason))
-            elif u.finished and seq.finish_reason is None:
-                seq.detok.flush()
+            elif u.finished:
+                if text := seq.detok.flush():
+                    seq.text.append(text)
                 seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
-        outs = [self._output(req) for req in touched.values()]
+        outs = [out for req in touched.values() if (out := self._output(req)) is not None]
         for out in outs:
             if out.finished:
                 self.forget(out.request_id)
         return outs, to_stop
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """The request's last output (finish_reason "abort" for every sample still going), and forgets it."""
         req = self._reqs.get(request_id)
         if req is None:
             return None
@@ -112,20 +135,65 @@ class OutputProcessor:
         self.forget(request_id)
         return out
 
-    def _output(self, req: _Req) -> RequestOutput:
+    def _output(self, req: _Req) -> RequestOutput | None:
+        """What is new for the request's samples since their previous output (None: nothing is)."""
         want_lp = req.params.logprobs is not None
-        outs = [
-            CompletionOutput(
-                s.index,
-                s.detok.text,
-                list(s.token_ids),
-                s.cumulative_logprob if want_lp else None,
-                list(s.logprobs) if want_lp else None,
-                s.finish_reason,
-                s.stop_reason,
-            )  # fmt: skip
-            for s in req.seqs.values()
-        ]
-        finished = all(o.finish_reason is not None for o in outs)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs, finished,
+        outs = []
+        for s in req.seqs.values():
+            if not s.has_news():
+                continue
+            outs.append(CompletionOutput(
+                s.index, "".join(s.text), s.token_ids, s.cumulative_logprob if want_lp else None,
+                s.logprobs if want_lp else None, s.finish_reason, s.stop_reason,
+            ))  # fmt: skip
+            s.text, s.token_ids, s.logprobs = [], [], []
+            s.sent_finish = s.finish_reason is not None
+        if not outs:
+            return None
+        finished = all(s.sent_finish for s in req.seqs.values())
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not req.sent_prompt_logprobs:
+            prompt_logprobs, req.sent_prompt_logprobs = req.prompt_logprobs, True
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs, finished,
                              RequestMetrics(req.arrival_time, None, None, None), req.error)  # fmt: skip
+
+
+class OutputAccumulator:
+    """A request's deltas (from `OutputProcessor`, or an engine front's stream) added up into its whole output."""
+
+    def __init__(self) -> None:
+        self._last: RequestOutput | None = None
+        self._prompt_logprobs: list | None = None
+        self._samples: dict[int, tuple[list[str], CompletionOutput]] = {}  # index -> (text parts, whole so far)
+
+    def add(self, delta: RequestOutput) -> None:
+        self._last = delta
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
+        for c in delta.outputs:
+            if c.index not in self._samples:
+                whole = CompletionOutput(c.index, "", [], None, [] if c.logprobs is not None else None)
+                self._samples[c.index] = ([], whole)
+            parts, whole = self._samples[c.index]
+            parts.append(c.text)
+            whole.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                whole.logprobs = whole.logprobs if whole.logprobs is not None else []
+                whole.logprobs.extend(c.logprobs)
+            whole.cumulative_logprob = c.cumulative_logprob
+            whole.finish_reason, whole.stop_reason = c.finish_reason, c.stop_reason
+
+    def result(self) -> RequestOutput | None:
+        """The whole output so far (None before the first delta)."""
+        if self._last is None:
+            return None
+        outs = []
+        for index in sorted(self._samples):
+            parts, whole = self._samples[index]
+            if len(parts) > 1:
+                parts[:] = ["".join(parts)]
+            whole.text = parts[0] if parts else ""
+            outs.append(whole)
+        last = self._last
+        return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, self._prompt_logprobs, outs,
+                             last.finished, last.metrics, last.error)  # fmt: skip

@@ -118,8 +118,7 @@ class _View:
     async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         n = self.req.n
-        sent_chars, sent_tokens = [0] * n, [0] * n
-        finished = [False] * n
+        completion_tokens = 0
 
         def chunk(choices: list[dict]) -> str:
             body = self._envelope("chat.completion.chunk", choices)
@@ -132,27 +131,20 @@ class _View:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])  # fmt: skip
         try:
+            # Each output holds only what is new for the samples that moved, text and the tokens that made it.
             async for _, out in merge([run_request(self.ctx.state, self.ctx.metrics, self.sub, ticket, 0)]):
                 for c in out.outputs:
-                    i = c.index
-                    if finished[i]:
-                        continue
-                    delta = c.text[sent_chars[i] :]
-                    if not delta and c.finish_reason is None:
-                        continue  # text held back (an unfinished character or a possible stop string)
-                    choice = {
-                        "index": i,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": self._logprobs(c.token_ids[sent_tokens[i] :], (c.logprobs or [])[sent_tokens[i] :]),
+                    completion_tokens += len(c.token_ids)
+                    yield chunk([{
+                        "index": c.index,
+                        "delta": {"content": c.text} if c.text else {},
+                        "logprobs": self._logprobs(c.token_ids, c.logprobs),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
-                    }
-                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                    finished[i] = c.finish_reason is not None
-                    yield chunk([choice])
+                    }])  # fmt: skip
             if include_usage:
                 body = self._envelope("chat.completion.chunk", [])
-                body["usage"] = self._usage(sum(sent_tokens))
+                body["usage"] = self._usage(completion_tokens)
                 yield sse(body)
         except APIError as e:  # the engine died mid-stream: the status line is sent already, so say it in-band
             yield sse(e.body())

@@ -131,15 +131,15 @@ class _View:
         """echo with logprobs: the choice's logprobs cover the echoed prompt tokens first (OpenAI, vLLM)."""
         return self.req.echo and self.req.logprobs is not None
 
-    def _choice_logprobs(self, sub: EngineRequest, out: RequestOutput, token_ids, entries, base: int, echoed: bool):
+    def _choice_logprobs(self, sub: EngineRequest, prompt_logprobs, token_ids, entries, base: int, echoed: bool):
         """Logprobs of a choice's (new) tokens, offsets from `base`; when `echoed`, the echoed prompt's tokens come
         first, at offsets from `base` - len(echo): the first one unscored (None), the others as the engine scored
-        them given the tokens before them."""
+        them given the tokens before them (`prompt_logprobs`)."""
         gen = self._logprobs(token_ids, entries, base)
         if not (echoed and self._scores_prompt):
             return gen
         ids = sub.prompt_ids
-        scored = list(out.prompt_logprobs or [])[: len(ids)]
+        scored = list(prompt_logprobs or [])[: len(ids)]
         scored += [None] * (len(ids) - len(scored))  # never short in practice; an unscored token shows None
         prompt = self._logprobs(ids, scored, base - len(self._echo(sub)))
         return join_logprobs(prompt, gen)
@@ -165,7 +165,8 @@ class _View:
                 choices.append({
                     "index": i * self.n + c.index,
                     "text": echo + c.text,
-                    "logprobs": self._choice_logprobs(sub, out, c.token_ids, c.logprobs, len(echo), True),
+                    "logprobs": self._choice_logprobs(sub, out.prompt_logprobs, c.token_ids, c.logprobs, len(echo),
+                                                      True),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })  # fmt: skip
@@ -175,47 +176,35 @@ class _View:
 
     async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
-        sent_chars: dict[int, int] = {}  # choice index -> characters of its text already sent (echo excluded)
-        sent_tokens: dict[int, int] = {}
-        out_chars: dict[int, int] = {}  # characters sent including the echo: base of text_offset
-        finished: set[int] = set()
+        out_chars: dict[int, int] = {}  # choice index -> characters sent, echo included: base of text_offset
+        prompt_logprobs: dict[int, list] = {}  # prompt index -> its scored prompt (they come in its first output)
+        completion_tokens = 0
         streams = [run_request(self.ctx.state, self.ctx.metrics, s, ticket, i) for i, s in enumerate(self.subs)]
         try:
+            # Each output holds only what is new for the samples that moved, text and the tokens that made it.
             async for i, out in merge(streams):
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
                 out = self._visible(out)
                 for c in out.outputs:
                     idx = i * self.n + c.index
-                    if idx in finished:
-                        continue
-                    first = idx not in sent_chars
-                    if first and self._scores_prompt and out.prompt_logprobs is None and c.finish_reason is None:
-                        continue  # the echo goes out with its logprobs, which come with the first token
+                    first = idx not in out_chars
                     prefix = self._echo(self.subs[i]) if first else ""
-                    a, t = sent_chars.get(idx, 0), sent_tokens.get(idx, 0)
-                    delta = prefix + c.text[a:]
-                    if not delta and c.finish_reason is None:
-                        continue  # text held back (an unfinished character or a possible stop string)
                     base = out_chars.get(idx, 0) + len(prefix)
-                    choice = {
-                        "index": idx,
-                        "text": delta,
-                        "logprobs": self._choice_logprobs(
-                            self.subs[i], out, c.token_ids[t:], (c.logprobs or [])[t:], base, first
-                        ),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                    sent_chars[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
-                    out_chars[idx] = out_chars.get(idx, 0) + len(delta)
-                    if c.finish_reason is not None:
-                        finished.add(idx)
+                    entries = self._choice_logprobs(
+                        self.subs[i], prompt_logprobs.get(i), c.token_ids, c.logprobs, base, first
+                    )  # fmt: skip
+                    completion_tokens += len(c.token_ids)
+                    out_chars[idx] = base + len(c.text)
+                    choice = {"index": idx, "text": prefix + c.text, "logprobs": entries,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
                     chunk = self._envelope([choice])
                     if include_usage:
                         chunk["usage"] = None
                     yield sse(chunk)
             if include_usage:
                 chunk = self._envelope([])
-                chunk["usage"] = self._usage(sum(sent_tokens.values()))
+                chunk["usage"] = self._usage(completion_tokens)
                 yield sse(chunk)
         except APIError as e:  # the engine died mid-stream: the status line is sent already, so say it in-band
             yield sse(e.body())

@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from jaxinfer.engine.output import OutputAccumulator
+from jaxinfer.engine.stream_queue import SlowReaderError
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.state import ServerState, Ticket
@@ -27,33 +29,33 @@ class EngineRequest:
 async def run_request(
     state: ServerState, metrics: Metrics, req: EngineRequest, ticket: Ticket, index: int
 ) -> AsyncIterator[RequestOutput]:
-    """Streams the request's cumulative outputs. Closing the iterator early aborts the request in the engine."""
+    """Streams the request's outputs (deltas). Closing the iterator early aborts the request in the engine."""
     # Not require_ready(): a request admitted before a SIGTERM still runs to its end while the server drains.
     engine = state.engine
     assert engine is not None, "run_request before the engine was loaded"
     arrival = last = time.monotonic()
     num_tokens = 0
-    final: RequestOutput | None = None
+    reasons: dict[int, str] = {}  # sample index -> finish reason
     try:
         async with aclosing(engine.generate(req.prompt_ids, req.params, req.request_id, req.prompt)) as outputs:
             async for out in outputs:
+                reasons.update((c.index, c.finish_reason) for c in out.outputs if c.finish_reason is not None)
                 if out.error is not None:  # this request failed in the engine; the others go on
-                    final = out
                     raise APIError(500, f"the request failed in the engine: {out.error}", code="engine_error")
                 now = time.monotonic()
                 tokens = sum(len(c.token_ids) for c in out.outputs)
-                if tokens > num_tokens:
+                if tokens:
                     if num_tokens == 0:
                         ticket.started(index)
                         metrics.ttft.observe(now - arrival)
                         metrics.prompt_tokens.inc(len(req.prompt_ids))
                     else:
                         metrics.itl.observe(now - last)
-                    metrics.generation_tokens.inc(tokens - num_tokens)
-                    num_tokens, last = tokens, now
-                if out.finished:
-                    final = out
+                    metrics.generation_tokens.inc(tokens)
+                    num_tokens, last = num_tokens + tokens, now
                 yield out
+    except SlowReaderError as e:  # the client stopped reading: its request is aborted, its stream says so in-band
+        raise APIError(408, str(e), code="client_stopped_reading") from e
     except Exception as e:
         if engine.alive or isinstance(e, APIError):
             raise
@@ -62,21 +64,22 @@ async def run_request(
     finally:
         latency = time.monotonic() - arrival
         metrics.e2e.observe(latency)
-        reasons = [c.finish_reason or "abort" for c in final.outputs] if final else ["abort"] * req.params.n
-        for reason in reasons:
+        finish = [reasons.get(i, "abort") for i in range(req.params.n)]
+        for reason in finish:
             metrics.request_success.labels(reason).inc()
         log.info(
             "%s: prompt_tokens=%d completion_tokens=%d latency=%.3fs finish_reason=%s",
-            req.request_id, len(req.prompt_ids), num_tokens, latency, ",".join(reasons),
+            req.request_id, len(req.prompt_ids), num_tokens, latency, ",".join(finish),
         )  # fmt: skip
 
 
 async def final_output(state: ServerState, metrics: Metrics, req: EngineRequest, ticket: Ticket, index: int):
-    """The request's last (finished) output."""
-    last = None
+    """The request's whole output, once it finished."""
+    whole = OutputAccumulator()
     async with aclosing(run_request(state, metrics, req, ticket, index)) as outputs:
         async for out in outputs:
-            last = out
-    if last is None or not last.finished:
+            whole.add(out)
+    final = whole.result()
+    if final is None or not final.finished:
         raise RuntimeError(f"request {req.request_id} ended without a final output")
-    return last
+    return final

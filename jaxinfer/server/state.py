@@ -104,6 +104,7 @@ class ServerState:
 
     def _load_in_process(self) -> None:
         from jaxinfer.engine.async_engine import AsyncEngine
+        from jaxinfer.engine.stream_queue import StreamLimits
 
         engine, tokenizer = self._loader(self.args)
         # Compile every program variant a request can select now (prompt logprobs included), so that no
@@ -115,7 +116,8 @@ class ServerState:
         self.max_model_len = engine.cc.max_model_len
         self.kv_tokens = engine.runner.num_kv_tokens
         self.max_logprobs = engine.cc.max_logprobs
-        self.engine = AsyncEngine(engine, tokenizer, self.args.max_waiting)
+        limits = StreamLimits(self.args.stream_stall_timeout, self.args.max_stream_buffer)
+        self.engine = AsyncEngine(engine, tokenizer, self.args.max_waiting, limits)
 
     def _start_engine_process(self) -> None:
         from jaxinfer.engine.mp_engine import MPAsyncEngine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer.engine.output import OutputProcessor
+from jaxinfer.engine.output import OutputAccumulator, OutputProcessor
 from jaxinfer.model_files import smollm2_gguf
 from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.types import SamplingParams, SeqUpdate
@@ -15,17 +15,17 @@ def test_stop_strings_wait_for_min_tokens(min_tokens, text):
     tok = load_tokenizer(smollm2_gguf())
     ids = tok.encode(" a b a b a b a", add_special_tokens=False)
     assert [tok.decode([i]) for i in ids[:5]] == [" a", " b", " a", " b", " a"]
-    proc = OutputProcessor(tok)
+    proc, whole = OutputProcessor(tok), OutputAccumulator()
     proc.add("r", None, tok.encode("x", add_special_tokens=False),
              SamplingParams(max_tokens=20, stop=["a"], min_tokens=min_tokens))  # fmt: skip
-    out, to_stop = None, []
+    to_stop = []
     for t in ids:
         outs, stops = proc.process([SeqUpdate("r", [t], [], False, None)])
         to_stop += stops
-        if outs:
-            out = outs[0]
+        for out in outs:
+            whole.add(out)
         if to_stop:
             break
-    c = out.outputs[0]
+    c = whole.result().outputs[0]
     assert (c.text, c.finish_reason, c.stop_reason) == (text, "stop", "a")
     assert len(c.token_ids) > min_tokens

@@ -6,6 +6,7 @@ It "generates" token ids counting up from the last prompt token, one per step pe
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from jaxinfer.types import SamplingParams, SeqUpdate
@@ -50,6 +51,7 @@ class FakeEngine:
         # waiting for their first token.
         self.paused = False
         self.fail_next_step = False
+        self.step_seconds = 0.0  # each step takes this long (a device would): a paced producer, not a flood
 
     def validate(self, prompt_ids, params: SamplingParams) -> list[int]:
         prompt = [int(t) for t in prompt_ids]
@@ -83,6 +85,8 @@ class FakeEngine:
     def step(self) -> list[SeqUpdate]:
         if self.fail_next_step:
             raise RuntimeError("injected engine failure")
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
         updates = []
         for sid, seq in list(self.seqs.items()):
             tok = seq[0]

@@ -329,6 +329,7 @@ def test_engine_exception_fails_every_stream():
     exception in the core's step fails the waiting streams, calls on_death and ends the core with exit code 1."""
     from jaxinfer import SamplingParams
     from jaxinfer.engine.mp_engine import EngineDeadError, MPAsyncEngine
+    from jaxinfer.engine.output import OutputAccumulator
     from jaxinfer.server.args import ServerArgs
 
     died = threading.Event()
@@ -337,8 +338,10 @@ def test_engine_exception_fails_every_stream():
         engine.wait_ready(60)
 
         async def main():
-            outs = [o async for o in engine.generate([5, 6], SamplingParams(max_tokens=3, n=2), "ok")]
-            assert [c.token_ids for c in outs[-1].outputs] == [[7, 8, 9]] * 2 and outs[-1].finished
+            whole = OutputAccumulator()
+            for o in [o async for o in engine.generate([5, 6], SamplingParams(max_tokens=3, n=2), "ok")]:
+                whole.add(o)
+            assert [c.token_ids for c in whole.result().outputs] == [[7, 8, 9]] * 2 and whole.result().finished
             async for _ in engine.generate([5], SamplingParams(max_tokens=100), "left"):
                 break  # closing the stream early aborts the request in the core
             deadline = time.monotonic() + 10
