@@ -23,6 +23,9 @@ def _paced_build(args: dict):
     """Runs in the spawned core: the fake engine, one step per STEP_S."""
     engine, tokenizer = _fake_build(args)
     engine.step_seconds = STEP_S
+    # Room for long streams (tests/server/test_stream_memory.py): 8192 tokens of context, 16384 in the pool.
+    engine.cc.max_model_len = 8192
+    engine.allocator.num_pages, engine.runner.num_kv_tokens = 1024, 16384
     return engine, tokenizer
 
 
