@@ -15,8 +15,13 @@ stats are the gauges and counters /metrics shows. "ready" also
 carries what the API side needs without the model: the limits `Engine.validate` checks and the tokenizer (pickled
 bytes inside that one frame; everything else is plain data).
 
-The core never waits on the API side: its results socket has no high-water mark, so a send only queues, and it
-reads commands without blocking while it has work (blocking only when idle). It ignores SIGINT/SIGTERM (the API
+Neither side ever blocks on a send, so neither can wait for the other: back-pressure without deadlock. Both
+sockets have high-water marks (RESULTS_HWM, COMMANDS_HWM messages). When the API side falls behind, the core keeps
+what it cannot send in its outbox (outbox.py) and merges each later step's updates into it, so what waits is
+bounded by the tokens the live sequences made (a delta per sequence), not by the steps; when the core falls
+behind, the API side keeps its commands in a local queue, sent in order before any later one (mp_engine.py). The
+core reads commands without blocking while it has work (blocking only when idle, and then only for a few
+milliseconds while its outbox holds something). It ignores SIGINT/SIGTERM (the API
 server drains first, then sends "shutdown") and exits by itself when its parent process goes away.
 
 Spawn re-imports the parent's main module in the child: a script that starts the server must keep that under
@@ -40,6 +45,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from jaxinfer.engine.outbox import RESULTS_HWM, ResultsOutbox
 from jaxinfer.types import SamplingParams, SeqUpdate
 
 log = logging.getLogger(__name__)
@@ -48,6 +54,8 @@ log = logging.getLogger(__name__)
 PARENT_POLL_S = 0.5
 # How long a closing socket may keep trying to deliver its last messages (the failure that ends the core).
 LINGER_MS = 2000
+COMMANDS_HWM = 1024  # commands queued towards the core before the API side keeps them in its own queue
+IDLE_RETRY_MS = 5  # while idle with results the API side has not taken yet: how often the core retries
 
 
 # ---------------------------------------------------------------------------------------------- wire format
@@ -73,6 +81,10 @@ def params_from_wire(d: dict) -> SamplingParams:
 def update_to_wire(u: SeqUpdate) -> list:
     return [u.request_id, u.new_token_ids, u.new_logprobs, u.finished, u.finish_reason, u.stop_reason,
             u.prompt_logprobs, u.error]  # fmt: skip
+
+
+def outputs_to_wire(updates: list[SeqUpdate], stats: dict) -> bytes:
+    return pack({"t": "out", "u": [update_to_wire(u) for u in updates], "s": stats})
 
 
 def update_from_wire(w: list) -> SeqUpdate:
@@ -167,12 +179,13 @@ def run_core(args: dict, commands_addr: str, results_addr: str, parent_pid: int,
     _watch_parent(parent_pid, os.path.dirname(commands_addr.removeprefix("ipc://")))
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
-    commands.setsockopt(zmq.RCVHWM, 0)
+    commands.setsockopt(zmq.RCVHWM, COMMANDS_HWM)
     commands.connect(commands_addr)
     results = ctx.socket(zmq.PUSH)
-    results.setsockopt(zmq.SNDHWM, 0)  # never block the device loop on a slow reader: queue instead
+    results.setsockopt(zmq.SNDHWM, RESULTS_HWM)  # past it, the outbox holds and merges: the loop never blocks
     results.setsockopt(zmq.LINGER, LINGER_MS)
     results.connect(results_addr)
+    outbox = ResultsOutbox(results, pack, outputs_to_wire)
     code = 0
     try:
         try:
@@ -180,17 +193,18 @@ def run_core(args: dict, commands_addr: str, results_addr: str, parent_pid: int,
             facts = engine_facts(engine, tokenizer)
         except BaseException as e:
             log.exception("loading the model failed")
-            results.send(pack({"t": "failed", "type": type(e).__name__, "error": str(e)}))
+            outbox.message({"t": "failed", "type": type(e).__name__, "error": str(e)})
             code = 1
             return
-        results.send(pack({"t": "ready", **facts}))
+        outbox.message({"t": "ready", **facts})
         try:
-            EngineCore(engine, commands, results).run()
+            EngineCore(engine, commands, outbox).run()
         except BaseException as e:
             log.exception("engine core died")
-            results.send(pack({"t": "dead", "type": type(e).__name__, "error": str(e)}))
+            outbox.message({"t": "dead", "type": type(e).__name__, "error": str(e)})
             code = 1
     finally:
+        outbox.drain(LINGER_MS)  # the last outputs and the message that says why the core ends
         commands.close(linger=0)
         results.close()  # delivers what is queued, for up to LINGER_MS
         ctx.term()
@@ -220,26 +234,26 @@ def _build(args: dict) -> tuple[Any, Any]:
 class EngineCore:
     """The loop: apply every queued command, run one step, send its updates. Blocks only when idle."""
 
-    def __init__(self, engine: Any, commands: zmq.Socket, results: zmq.Socket):
+    def __init__(self, engine: Any, commands: zmq.Socket, outbox: ResultsOutbox):
         self.engine = engine
         self.commands = commands
-        self.results = results
+        self.outbox = outbox
         self.running = True
 
     def run(self) -> None:
         engine = self.engine
         while self.running:
-            if not engine.has_unfinished() and not self.commands.poll(1000):
-                continue  # idle: wait for a command
+            self.outbox.flush()
+            if not engine.has_unfinished():  # idle: wait for a command (retrying the outbox meanwhile)
+                if not self.commands.poll(IDLE_RETRY_MS if self.outbox.pending else 1000):
+                    continue
             changed = self._drain_commands()
             if not self.running:
                 return
             if engine.has_unfinished():
-                updates = engine.step()
-                self.results.send(pack({"t": "out", "u": [update_to_wire(u) for u in updates],
-                                        "s": engine_stats(engine)}))  # fmt: skip
+                self.outbox.outputs(engine.step(), engine_stats(engine))
             elif changed:  # pages came back (aborts) without a step: /metrics must see it
-                self.results.send(pack({"t": "out", "u": [], "s": engine_stats(engine)}))
+                self.outbox.outputs([], engine_stats(engine))
 
     def _drain_commands(self) -> bool:
         """Applies every command already queued, without waiting; returns whether there was any."""
@@ -257,7 +271,7 @@ class EngineCore:
                 try:
                     self.engine.add_request(ids, params_from_wire(params), rid)
                 except Exception as e:  # validated by the API side already; a race must not kill the loop
-                    self.results.send(pack({"t": "err", "rid": rid, "error": str(e)}))
+                    self.outbox.message({"t": "err", "rid": rid, "error": str(e)})
             elif op == "abort":
                 self.engine.abort(cmd[1])
             elif op == "finish":

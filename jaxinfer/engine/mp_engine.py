@@ -29,6 +29,7 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ from typing import Any
 import zmq
 
 from jaxinfer.engine.async_engine import EngineDeadError  # one error for both fronts
-from jaxinfer.engine.core_process import pack, params_to_wire, run_core, unpack, update_from_wire
+from jaxinfer.engine.core_process import COMMANDS_HWM, pack, params_to_wire, run_core, unpack, update_from_wire
+from jaxinfer.engine.outbox import RESULTS_HWM
 from jaxinfer.engine.stream_queue import SlowReaderError, StreamLimits, StreamQueue
 from jaxinfer.types import RequestOutput, SamplingParams
 
@@ -129,14 +131,17 @@ class MPAsyncEngine:
         # params) | ("forget", rid, seq ids) | ("abort", rid).
         self._changes: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # the streams table and `error`: dict operations only
-        self._send_lock = threading.Lock()  # the commands socket (the event loop and the reader thread send)
+        self._send_lock = threading.Lock()  # the commands socket and _unsent (the event loop and the reader send)
+        # Commands the socket would not take yet (COMMANDS_HWM reached: the core is behind), sent first, in order,
+        # by the next send or the reader's next poll: the event loop never blocks on the core.
+        self._unsent: deque[bytes] = deque()
         self._dir = tempfile.mkdtemp(prefix="jaxinfer-core-")
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PUSH)
-        self._commands.setsockopt(zmq.SNDHWM, 0)  # never block the event loop: queue instead
+        self._commands.setsockopt(zmq.SNDHWM, COMMANDS_HWM)
         self._commands.setsockopt(zmq.LINGER, 0)
         self._results = self._ctx.socket(zmq.PULL)
-        self._results.setsockopt(zmq.RCVHWM, 0)
+        self._results.setsockopt(zmq.RCVHWM, RESULTS_HWM)  # past it the core merges its results (outbox.py)
         commands_addr, results_addr = f"ipc://{self._dir}/commands", f"ipc://{self._dir}/results"
         self._commands.bind(commands_addr)
         self._results.bind(results_addr)
@@ -268,10 +273,20 @@ class MPAsyncEngine:
     def _send(self, cmd: list) -> None:
         data = pack(cmd)
         with self._send_lock:
+            self._unsent.append(data)
+            self._send_unsent()
+
+    def _send_unsent(self) -> None:
+        """Under _send_lock: the commands waiting, oldest first, until the socket would block."""
+        while self._unsent:
             try:
-                self._commands.send(data, zmq.NOBLOCK)
-            except zmq.ZMQError:  # no core connected (it died, or shut down): nothing listens any more
-                pass
+                self._commands.send(self._unsent[0], zmq.NOBLOCK)
+            except zmq.Again:  # the core is behind: kept for later (or no core: it died, and so does the server)
+                return
+            except zmq.ZMQError:  # the socket is closed (shut down): nothing listens any more
+                self._unsent.clear()
+                return
+            self._unsent.popleft()
 
     # ------------------------------------------------------------------------------------------ reader thread
 
@@ -283,6 +298,9 @@ class MPAsyncEngine:
             while True:
                 events = dict(poller.poll(100))
                 self._apply_changes()  # an abort's last output goes out within a poll, results or not
+                if self._unsent:
+                    with self._send_lock:
+                        self._send_unsent()
                 if self._results in events:
                     self._drain_results()
                 elif self._proc.sentinel in events:
@@ -369,6 +387,8 @@ class MPAsyncEngine:
         if self._closing or self.error is not None:
             return
         log.error("%s", reason)
+        with self._send_lock:  # for a core that is gone
+            self._unsent.clear()
         self._fail_streams(EngineDeadError(reason))
         if not self._ready.is_set():
             self._load_error = EngineLoadError(reason)

@@ -1,0 +1,103 @@
+"""The core's results outbox (jaxinfer/engine/outbox.py) over a real ZeroMQ pair with small high-water marks: a
+receiver that stops reading never blocks the sender, what waits is merged into one message per run of steps
+(not one per step), and once read, every sequence's tokens arrive whole, in order, with the latest stats; other
+messages keep their place."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from jaxinfer.engine.core_process import outputs_to_wire, pack, unpack, update_from_wire
+from jaxinfer.engine.outbox import ResultsOutbox
+from jaxinfer.types import SeqUpdate
+
+SEQS = 40
+STEPS = 3000
+
+
+def _pair(tmp_path):
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 4)
+    pull.bind(f"ipc://{tmp_path}/results")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 4)
+    push.connect(f"ipc://{tmp_path}/results")
+    return ctx, push, pull
+
+
+def test_a_stalled_receiver_never_blocks_the_core_and_loses_nothing(tmp_path):
+    ctx, push, pull = _pair(tmp_path)
+    outbox = ResultsOutbox(push, pack, outputs_to_wire)
+    try:
+        outbox.message({"t": "ready"})
+        held = 0
+        t0 = time.monotonic()
+        for step in range(STEPS):
+            updates = [SeqUpdate(f"s{i}", [step], [], step == STEPS - 1, "length" if step == STEPS - 1 else None)
+                       for i in range(SEQS)]  # fmt: skip
+            if step == STEPS // 2:
+                outbox.message({"t": "err", "rid": "x", "error": "late"})
+            outbox.outputs(updates, {"steps": step})
+            held = max(held, len(outbox._queue))
+        elapsed = time.monotonic() - t0
+        assert outbox.pending, "the high-water mark was never reached: the test did not exercise the outbox"
+        assert held <= 3, f"{held} messages waited: steps were not merged"  # outputs, "err", outputs
+        assert elapsed < 30  # no send waited for the receiver (it has not read anything yet)
+
+        messages = []
+        deadline = time.monotonic() + 30
+        while True:
+            outbox.flush()
+            if pull.poll(100):
+                messages.append(unpack(pull.recv()))
+            elif not outbox.pending:
+                break
+            assert time.monotonic() < deadline
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+    kinds = [m["t"] for m in messages]
+    assert kinds[0] == "ready" and kinds.count("err") == 1 and len(messages) < STEPS / 10, kinds
+    tokens: dict[str, list[int]] = {}
+    before_err: set[int] = set()
+    for m in messages:
+        if m["t"] == "err":
+            before_err = set(tokens["s0"])
+        for w in m.get("u", []):
+            u = update_from_wire(w)
+            tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+            last = u
+    assert tokens == {f"s{i}": list(range(STEPS)) for i in range(SEQS)}
+    assert last.finished and last.finish_reason == "length" and messages[-1]["s"] == {"steps": STEPS - 1}
+    assert before_err == set(range(STEPS // 2))  # the "err" went out after the steps before it, before the later
+
+
+def test_drain_delivers_what_waits(tmp_path):
+    ctx, push, pull = _pair(tmp_path)
+    outbox = ResultsOutbox(push, pack, outputs_to_wire)
+    try:
+        for step in range(STEPS):
+            outbox.outputs([SeqUpdate(f"s{i}", [step], [], False, None) for i in range(SEQS)], {"steps": step})
+        got: list[int] = []
+
+        def read():
+            while pull.poll(50):
+                for w in unpack(pull.recv())["u"]:
+                    if w[0] == "s0":
+                        got.extend(w[1])
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert outbox.drain(10_000) and not outbox.pending
+        reader.join(30)
+        assert got == list(range(STEPS))
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
