@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.state import ServerState, Ticket
+from jaxinfer.server.truncation import Truncation
 from jaxinfer.types import RequestOutput, SamplingParams
 
 log = logging.getLogger("jaxinfer.server.requests")
@@ -22,6 +23,7 @@ class EngineRequest:
     prompt: str | None  # the prompt text when the client sent text (echo, detokenizer context)
     prompt_ids: list[int]
     params: SamplingParams
+    truncation: Truncation | None = None  # what the context-window rule dropped, when the request asked for it
 
 
 async def run_request(

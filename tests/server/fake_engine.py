@@ -46,6 +46,7 @@ class FakeEngine:
         self.allocator = _Allocator()
         self.scheduler = _Scheduler()
         self.seqs: dict[str, list] = {}  # seq id -> [next token, tokens left]
+        self.prompts: dict[str, list[int]] = {}  # request id -> the prompt it was given (what the model "saw")
         # While paused the engine thread idles (no step runs, commands such as aborts still do): requests stay
         # waiting for their first token.
         self.paused = False
@@ -61,6 +62,7 @@ class FakeEngine:
 
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str) -> str:
         sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.prompts[request_id] = list(prompt_ids)
         for sid in sids:
             self.seqs[sid] = [(prompt_ids[-1] + 1) % self.vocab_size, params.max_tokens]
         self.allocator.num_used += len(sids)
