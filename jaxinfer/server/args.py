@@ -60,6 +60,7 @@ class ServerArgs:
     overlap_scheduling: bool = True  # dispatch each step before reading the previous one's tokens
     step_timeline: bool = False  # time every step (device busy / idle, host) for /metrics
     chat_truncation: str = "off"  # "oldest": drop a chat's oldest turns instead of a 400 when it does not fit
+    filters_config: str | None = None  # JSON file of input/output content filters (jaxinfer.server.filters)
 
     @property
     def model_names(self) -> list[str]:
@@ -174,6 +175,10 @@ def make_parser() -> argparse.ArgumentParser:
                         help="a chat whose prompt plus max_tokens exceeds the context: off answers 400"
                         " (context_length_exceeded); oldest drops its oldest turns, keeping the system prompt and"
                         " the last user message, and reports them in usage.truncated_messages")  # fmt: skip
+    policy.add_argument("--filters-config", default=None, metavar="PATH",
+                        help="JSON file of content filters run on prompts (a blocked one is a 400, code"
+                        " content_filter) and on generated text (held until it passes; a blocked choice ends with"
+                        " finish_reason content_filter)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="devices each replica spans")
     p.add_argument("--data-parallel-size", type=_positive_int, default=1, help="model replicas in this process")
@@ -228,4 +233,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         make_parser().error("--max-waiting must be >= 0")
     if not 0 < ns.gpu_memory_utilization <= 1:
         make_parser().error("--gpu-memory-utilization must be in (0, 1]")
+    if ns.filters_config is not None:  # a bad file stops the server before it starts, not at its first request
+        from jaxinfer.server.filters import load_filters
+
+        try:
+            load_filters(ns.filters_config)
+        except ValueError as e:
+            make_parser().error(str(e))
     return ServerArgs(**vars(ns))

@@ -53,9 +53,11 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
 
 
 def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str) -> EngineRequest:
-    """Chat template, tokenization, the context-window rule and validation (on the thread pool: long conversations
-    take a while)."""
+    """Input filters, chat template, tokenization, the context-window rule and validation (on the thread pool: long
+    conversations take a while)."""
     convo = chat_messages(req.messages)
+    for i, m in enumerate(convo):
+        ctx.check_input(m["content"], f"messages.{i}.content")
     limit = ctx.context_tokens
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     need = completion_room(asked, limit, "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
@@ -75,7 +77,7 @@ def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid
         ids = engine.validate(ids, params)
     except ValueError as e:
         raise from_value_error(e, renames) from None
-    return EngineRequest(rid, text, ids, params, truncation)
+    return EngineRequest(rid, text, ids, params, truncation, ctx.output_gate(ids, params))
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:

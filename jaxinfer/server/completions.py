@@ -56,14 +56,17 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
 
 
 def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix: str) -> list[EngineRequest]:
-    """Tokenizes, applies the context-window rule to and validates every prompt (on the thread pool: large prompts
-    take a while)."""
+    """Tokenizes every prompt, and puts it through the input filters, the context-window rule and validation (on the
+    thread pool: large prompts take a while)."""
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be >= 1 (0 only with echo, which returns the scored prompt)", "max_tokens")
     limit = ctx.context_tokens
     need = completion_room(1 if prompt_only(req) else req.max_tokens, limit, "max_tokens")
     subs = []
     for i, (text, ids) in enumerate(_prompts(req, ctx)):
+        # Token-id prompts are checked as the text they decode to: filters cannot be bypassed by sending ids.
+        if ctx.filters is not None:
+            ctx.check_input(text if text is not None else ctx.tokenizer.decode(ids), f"prompt.{i}" if i else "prompt")
         kept, truncation = keep_last_tokens(ids, req.truncate_prompt_tokens, need, limit, "prompt")
         if len(kept) < len(ids):
             text = None  # echo and the output show the tokens the model saw
@@ -72,7 +75,7 @@ def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix
             kept = engine.validate(kept, params)
         except ValueError as e:
             raise from_value_error(e) from None
-        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation))
+        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation, ctx.output_gate(kept, params)))
     return subs
 
 
