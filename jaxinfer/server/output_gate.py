@@ -11,13 +11,17 @@ engine; the same gate serves streamed and whole responses, chat and completions,
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from jaxinfer.server.errors import APIError
 from jaxinfer.server.filters import Filters
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.types import CompletionOutput, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
 
 CONTENT_FILTER = "content_filter"
 # Prompt tokens decoded before a choice's tokens when mapping a cut in its text back to tokens (as the detokenizer
@@ -45,8 +49,13 @@ class OutputGate:
         self._run = run
 
     async def screen(self, out: RequestOutput) -> RequestOutput:
-        """`out` as the client may see it; `finished` once every choice ended (the filters may end them first)."""
-        return await self._run(self._screen, out)
+        """`out` as the client may see it; `finished` once every choice ended (the filters may end them first).
+        A filter that fails ends this request (a 500, or an error event in a stream) with nothing more shown."""
+        try:
+            return await self._run(self._screen, out)
+        except Exception as e:
+            log.exception("request %s: a content filter failed", out.request_id)
+            raise APIError(500, f"a content filter failed: {type(e).__name__}: {e}", code="filter_error") from e
 
     def _screen(self, out: RequestOutput) -> RequestOutput:
         outs = [self._choice(c) for c in out.outputs]

@@ -23,6 +23,7 @@ BLOCKED_PROMPT, CLEAN_PROMPT = [8000], [3000]  # token-id prompts: their outputs
 PHRASE = "photoailable boys"  # tokens 8003 ' photo', 8004 'ailable', 8005 ' boys'
 INPUT_ONLY = "forbidden topic"
 SLOW_PROMPT = [5000]  # its text holds ' university' (token 5006): SlowFilter waits there
+BROKEN_PROMPT = [12000]  # its text holds ' professors' (token 12004): BrokenFilter raises there
 
 
 class SlowFilter(ContentFilter):
@@ -38,6 +39,18 @@ class SlowFilter(ContentFilter):
         if self.marker in text[start:]:
             SlowFilter.entered.set()
             assert SlowFilter.release.wait(30)
+        return OutputVerdict(len(text))
+
+
+class BrokenFilter(ContentFilter):
+    """Raises on any text holding its marker: a plugin with a bug."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def check_output(self, text: str, start: int, final: bool) -> OutputVerdict:
+        if self.marker in text:
+            raise RuntimeError("bug in a filter")
         return OutputVerdict(len(text))
 
 
@@ -103,6 +116,8 @@ def srv(tokenizer, tmp_path_factory):
         {"type": "blocklist", "name": "topics", "phrases": [INPUT_ONLY], "apply_to": ["input"]},
         {"type": "python", "name": "slow", "class": "tests.server.test_filters:SlowFilter",
          "options": {"marker": " university"}, "apply_to": ["output"]},
+        {"type": "python", "class": "tests.server.test_filters:BrokenFilter", "options": {"marker": " professors"},
+         "apply_to": ["output"]},
     ]}))  # fmt: skip
     server = InProcessServer(tokenizer, filters_config=str(config))
     server.wait_ready()
@@ -217,6 +232,16 @@ def test_a_slow_filter_stalls_no_other_stream(srv, tokenizer):
         SlowFilter.release.set()
         _, events = held.result(30)
     assert _joined(events) == ({0: _text(tokenizer, SLOW_PROMPT, 12)}, {0: "length"})
+
+
+def test_a_failing_filter_ends_only_its_request(srv, tokenizer):
+    raw, events = _sse(srv, "/v1/completions", {"prompt": BROKEN_PROMPT, "max_tokens": 12})
+    assert "professors" not in raw and raw.endswith("data: [DONE]\n\n")
+    assert [e["error"]["code"] for e in events if "error" in e] == ["filter_error"]
+    r = srv.http.post("/v1/completions", json={"prompt": BROKEN_PROMPT, "max_tokens": 12})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "filter_error"
+    _, events = _sse(srv, "/v1/completions", {"prompt": CLEAN_PROMPT, "max_tokens": 4})
+    assert _joined(events) == ({0: _text(tokenizer, CLEAN_PROMPT, 4)}, {0: "length"})
 
 
 def test_engine_process_path():
