@@ -10,15 +10,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxinfer.server.access_log import AccessLog
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.chat import create_chat_completion
 from jaxinfer.server.completions import create_completion
 from jaxinfer.server.context import ServingContext
 from jaxinfer.server.errors import APIError, install_handlers
-from jaxinfer.server.keys import KeyRing
+from jaxinfer.server.filters import load_filters
 from jaxinfer.server.metrics import Metrics
-from jaxinfer.server.ratelimit import RateLimitCollector, RateLimiter
 from jaxinfer.server.state import Loader, ServerState
 from jaxinfer.server.tokenize import detokenize, tokenize
 from jaxinfer.server.tokenizer_info import router as tokenizer_info_router
@@ -104,13 +102,13 @@ def build_app(args: ServerArgs, loader: Loader | None = None, tracer_provider: A
     it listens, under any other ASGI server at lifespan start-up. Raises KeyFileError for a bad --api-keys-file.
     tracer_provider: an OpenTelemetry TracerProvider for request traces (default: --otlp-traces-endpoint's)."""
     state = ServerState(args, loader)
-    keys = KeyRing(args.api_key, args.api_keys_file)
-    limiter = RateLimiter(keys.keys())
     if tracer_provider is None and args.otlp_traces_endpoint:
         tracer_provider = otlp_tracer_provider(args.otlp_traces_endpoint)
-    tracer = RequestTracer(tracer_provider) if tracer_provider is not None else None
-    ctx = ServingContext(args, state, Metrics(state, RateLimitCollector(limiter)), keys, limiter,
-                         AccessLog(args.access_log, args.access_log_file), tracer)  # fmt: skip
+    ctx = ServingContext(
+        args, state, Metrics(state),
+        filters=load_filters(args.filters_config) if args.filters_config else None,
+        tracer=RequestTracer(tracer_provider) if tracer_provider is not None else None,
+    )  # fmt: skip
 
     def on_error(request: Request, exc: APIError) -> None:
         ctx.metrics.http_errors.labels(str(exc.status)).inc()

@@ -11,6 +11,7 @@ from jaxinfer.device import DEVICE_ENV, DEVICES, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.model_files import DEFAULT_MODEL
 
 API_KEY_ENV = "JAXINFER_API_KEY"
+CHAT_TRUNCATION = ("off", "oldest")  # jaxinfer.server.truncation
 
 
 @dataclass
@@ -62,6 +63,8 @@ class ServerArgs:
     engine_process: bool = True  # the engine core in its own process (ignored with an injected loader)
     overlap_scheduling: bool = True  # dispatch each step before reading the previous one's tokens
     step_timeline: bool = False  # time every step (device busy / idle, host) for /metrics
+    chat_truncation: str = "off"  # "oldest": drop a chat's oldest turns instead of a 400 when it does not fit
+    filters_config: str | None = None  # JSON file of input/output content filters (jaxinfer.server.filters)
 
     @property
     def model_names(self) -> list[str]:
@@ -193,6 +196,15 @@ def make_parser() -> argparse.ArgumentParser:
                       help="outputs that may wait for a stream's client before its request is aborted")  # fmt: skip
     caps.add_argument("--tokenizer-threads", type=_positive_int, default=4,
                       help="threads for tokenization, chat templates and validation (off the event loop)")  # fmt: skip
+    policy = p.add_argument_group("serving policies (docs/guides/serving-policies.md)")
+    policy.add_argument("--chat-truncation", default="off", choices=CHAT_TRUNCATION,
+                        help="a chat whose prompt plus max_tokens exceeds the context: off answers 400"
+                        " (context_length_exceeded); oldest drops its oldest turns, keeping the system prompt and"
+                        " the last user message, and reports them in usage.truncated_messages")  # fmt: skip
+    policy.add_argument("--filters-config", default=None, metavar="PATH",
+                        help="JSON file of content filters run on prompts (a blocked one is a 400, code"
+                        " content_filter) and on generated text (held until it passes; a blocked choice ends with"
+                        " finish_reason content_filter)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="devices each replica spans")
     p.add_argument("--data-parallel-size", type=_positive_int, default=1, help="model replicas in this process")
@@ -254,4 +266,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
             KeyRing(ns.api_key, ns.api_keys_file)
         except KeyFileError as e:
             make_parser().error(f"--api-keys-file: {e}")
+    if ns.filters_config is not None:  # a bad file stops the server before it starts, not at its first request
+        from jaxinfer.server.filters import load_filters
+
+        try:
+            load_filters(ns.filters_config)
+        except ValueError as e:
+            make_parser().error(str(e))
     return ServerArgs(**vars(ns))

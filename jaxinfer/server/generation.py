@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.metrics import Metrics
+from jaxinfer.server.output_gate import OutputGate
 from jaxinfer.server.state import ServerState
+from jaxinfer.server.truncation import Truncation, usage_fields
 from jaxinfer.types import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -24,17 +26,21 @@ class EngineRequest:
     prompt: str | None  # the prompt text when the client sent text (echo, detokenizer context)
     prompt_ids: list[int]
     params: SamplingParams
+    truncation: Truncation | None = None  # what the context-window rule dropped, when the request asked for it
+    gate: OutputGate | None = None  # the output filters (--filters-config)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, outs: list[RequestOutput | None]) -> dict:
-    """OpenAI's usage object. cached_tokens: the prompt tokens found in the prefix cache, as the engine reported
-    them with each request's first token."""
+def usage(subs: list[EngineRequest], completion_tokens: int, outs: list[RequestOutput | None]) -> dict:
+    """OpenAI's usage object for these engine requests. cached_tokens: the prompt tokens found in the prefix cache,
+    as the engine reported them with each request's first token; what truncation dropped, when it was asked for."""
+    prompt_tokens = sum(len(s.prompt_ids) for s in subs)
     cached = sum(o.metrics.num_cached_tokens for o in outs if o is not None and o.metrics is not None)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
+        **usage_fields([s.truncation for s in subs]),
     }
 
 
@@ -51,9 +57,9 @@ async def run_request(
     try:
         async with aclosing(engine.generate(req.prompt_ids, req.params, req.request_id, req.prompt)) as outputs:
             async for out in outputs:
-                admission.output(index, out)
                 if out.error is not None:  # this request failed in the engine; the others go on
                     final = out
+                    admission.output(index, out)
                     raise APIError(500, f"the request failed in the engine: {out.error}", code="engine_error")
                 now = time.monotonic()
                 tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -65,9 +71,15 @@ async def run_request(
                         metrics.itl.observe(now - last)
                     metrics.generation_tokens.inc(tokens - num_tokens)
                     num_tokens, last = tokens, now
+                ended = out.finished
+                if req.gate is not None:
+                    out = await req.gate.screen(out)
+                admission.output(index, out)
                 if out.finished:
                     final = out
                 yield out
+                if out.finished and not ended:
+                    return  # content filters ended every choice: leaving aborts the rest in the engine
     except Exception as e:
         if isinstance(e, APIError):
             admission.failed(e.status, e.code)

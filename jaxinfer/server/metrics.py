@@ -77,13 +77,10 @@ class _EngineCollector(Collector):
 class Metrics:
     """One registry per app, so that several servers (tests) in one process do not collide."""
 
-    def __init__(self, state: ServerState, *collectors: Collector):
-        """collectors: more scrape-time families (the API keys' usage)."""
+    def __init__(self, state: ServerState):
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_EngineCollector(state))
-        for c in collectors:
-            r.register(c)
         self.prompt_tokens = Counter("jaxinfer:prompt_tokens", "Prefilled prompt tokens", registry=r)
         self.generation_tokens = Counter("jaxinfer:generation_tokens", "Generated tokens", registry=r)
         self.request_success = Counter(

@@ -1,9 +1,10 @@
 """A stand-in for `jaxinfer.engine.engine.Engine` with the same interface, for lifecycle tests that need control
 the real model cannot give: hold every step, or kill the engine thread on purpose.
 
-It "generates" token ids counting up from the last prompt token, one per step per sequence, and needs no jax.
-Like the real engine it reports each sequence's timeline (`SeqTiming`) with its first token: its prompt is
-"prefilled" in chunks of `prefill_chunk` tokens, one chunk a step, and the last chunk's step makes the first token.
+It "generates" token ids counting up from the last prompt token (or from `first_token` when set), one per step per
+sequence, with logprob -1.0 for each when asked, and needs no jax. Like the real engine it reports each sequence's
+timeline (`SeqTiming`) with its first token: its prompt is "prefilled" in chunks of `prefill_chunk` tokens, one
+chunk a step, and the last chunk's step makes the first token.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class FakeEngine:
         self.allocator = _Allocator()
         self.scheduler = _Scheduler()
         self.seqs: dict[str, _Seq] = {}
+        self.first_token: int | None = None  # every sequence counts up from here instead (chat prompts all end alike)
+        self.prompts: dict[str, list[int]] = {}  # request id -> the prompt it was given (what the model "saw")
         # While paused the engine thread idles (no step runs, commands such as aborts still do): requests stay
         # waiting for their first token.
         self.paused = False
@@ -67,8 +70,11 @@ class FakeEngine:
 
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str) -> str:
         sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.prompts[request_id] = list(prompt_ids)
         for sid in sids:
-            self.seqs[sid] = _Seq((prompt_ids[-1] + 1) % self.vocab_size, params.max_tokens, len(prompt_ids))
+            start = self.first_token if self.first_token is not None else prompt_ids[-1] + 1
+            asked = params.logprobs is not None
+            self.seqs[sid] = _Seq(start % self.vocab_size, params.max_tokens, len(prompt_ids), asked)
         self.allocator.num_used += len(sids)
         return request_id
 
@@ -108,7 +114,8 @@ class FakeEngine:
             reason = "length" if seq.left == 0 else "stop" if seq.made == self.stop_after else None
             if reason:
                 self._drop(sid)
-            updates.append(SeqUpdate(sid, [tok], [], reason is not None, reason, timing=timing))
+            lps = [{tok: -1.0}] if seq.logprobs else []
+            updates.append(SeqUpdate(sid, [tok], lps, reason is not None, reason, timing=timing))
         return updates
 
 
@@ -117,6 +124,7 @@ class _Seq:
     next: int  # the next token it makes
     left: int  # tokens before max_tokens
     prompt_len: int
+    logprobs: bool  # asked for
     computed: int = 0  # prompt tokens "prefilled"
     made: int = 0
     arrival: float = field(default_factory=time.monotonic)
