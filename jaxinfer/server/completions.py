@@ -75,7 +75,8 @@ def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix
             kept = engine.validate(kept, params)
         except ValueError as e:
             raise from_value_error(e) from None
-        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation, ctx.output_gate(kept, params)))
+        gate = None if prompt_only(req) else ctx.output_gate(kept, params)  # prompt only: no generated text shown
+        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation, gate))
     return subs
 
 
