@@ -215,6 +215,7 @@ def test_blocked_input_is_a_400(srv, tokenizer):
          "messages.1.content"),
         ("/v1/completions", {"prompt": "what about PhotoAilable Boys?"}, "prompt"),
         ("/v1/completions", {"prompt": ["fine", "so are " + INPUT_ONLY]}, "prompt.1"),
+        ("/v1/completions", {"prompt": [INPUT_ONLY, "fine"]}, "prompt.0"),
         # Token ids are checked as the text they decode to.
         ("/v1/completions", {"prompt": tokenizer.encode("x " + INPUT_ONLY, add_special_tokens=False)}, "prompt"),
     ]  # fmt: skip
