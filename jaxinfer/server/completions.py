@@ -63,10 +63,12 @@ def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix
     limit = ctx.context_tokens
     need = completion_room(1 if prompt_only(req) else req.max_tokens, limit, "max_tokens")
     subs = []
-    for i, (text, ids) in enumerate(_prompts(req, ctx)):
+    prompts = _prompts(req, ctx)
+    for i, (text, ids) in enumerate(prompts):
         # Token-id prompts are checked as the text they decode to: filters cannot be bypassed by sending ids.
         if ctx.filters is not None:
-            ctx.check_input(text if text is not None else ctx.tokenizer.decode(ids), f"prompt.{i}" if i else "prompt")
+            param = f"prompt.{i}" if len(prompts) > 1 else "prompt"
+            ctx.check_input(text if text is not None else ctx.tokenizer.decode(ids), param)
         kept, truncation = keep_last_tokens(ids, req.truncate_prompt_tokens, need, limit, "prompt")
         if len(kept) < len(ids):
             text = None  # echo and the output show the tokens the model saw
@@ -75,7 +77,8 @@ def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix
             kept = engine.validate(kept, params)
         except ValueError as e:
             raise from_value_error(e) from None
-        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation, ctx.output_gate(kept, params)))
+        gate = None if prompt_only(req) else ctx.output_gate(kept, params)  # prompt only: no generated text shown
+        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation, gate))
     return subs
 
 

@@ -112,7 +112,7 @@ def test_config_errors_name_the_problem(tmp_path):
 def srv(tokenizer, tmp_path_factory):
     config = tmp_path_factory.mktemp("filters") / "filters.json"
     config.write_text(json.dumps({"filters": [
-        {"type": "blocklist", "name": "words", "phrases": [PHRASE.upper()], "apply_to": ["input", "output"]},
+        {"type": "blocklist", "name": "words", "phrases": [PHRASE.upper(), "victor"], "apply_to": ["input", "output"]},
         {"type": "blocklist", "name": "topics", "phrases": [INPUT_ONLY], "apply_to": ["input"]},
         {"type": "python", "name": "slow", "class": "tests.server.test_filters:SlowFilter",
          "options": {"marker": " university"}, "apply_to": ["output"]},
@@ -199,6 +199,15 @@ def test_chat_every_choice_ends_with_content_filter(srv, tokenizer, stream):
     assert reasons == dict.fromkeys(range(3), "content_filter")
 
 
+def test_echo_of_the_prompt_alone_shows_no_generated_text(srv):
+    """echo with max_tokens 0 returns the prompt alone: the token the engine made is not screened (not shown)."""
+    before_victor = [8015]  # ' Special'; the engine's one token is 8016 ' Victor'
+    r = srv.http.post("/v1/completions", json={"prompt": before_victor, "max_tokens": 1}).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == (" ", "content_filter")
+    r = srv.http.post("/v1/completions", json={"prompt": before_victor, "max_tokens": 0, "echo": True}).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == (" Special", "length")
+
+
 def test_blocked_input_is_a_400(srv, tokenizer):
     cases = [
         ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be nice."},
@@ -206,6 +215,7 @@ def test_blocked_input_is_a_400(srv, tokenizer):
          "messages.1.content"),
         ("/v1/completions", {"prompt": "what about PhotoAilable Boys?"}, "prompt"),
         ("/v1/completions", {"prompt": ["fine", "so are " + INPUT_ONLY]}, "prompt.1"),
+        ("/v1/completions", {"prompt": [INPUT_ONLY, "fine"]}, "prompt.0"),
         # Token ids are checked as the text they decode to.
         ("/v1/completions", {"prompt": tokenizer.encode("x " + INPUT_ONLY, add_special_tokens=False)}, "prompt"),
     ]  # fmt: skip
