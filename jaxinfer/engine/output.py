@@ -13,11 +13,12 @@ in its first output. `OutputAccumulator` adds deltas up into the whole output (n
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, SeqUpdate
+from jaxinfer.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, SeqTiming, SeqUpdate
 
 
 @dataclass
@@ -45,10 +46,13 @@ class _Req:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: dict[str, _Seq]
-    arrival_time: float
+    arrival_time: float  # when it was handed to the engine (time.monotonic)
     prompt_logprobs: list | None = None
     sent_prompt_logprobs: bool = False
     error: str | None = None  # the engine failed it (finish_reason "error")
+    timing: SeqTiming | None = None  # the first sample's to reach its first token
+    detokenize_s: float = 0.0
+    finished_time: float | None = None
 
 
 class OutputProcessor:
@@ -57,8 +61,8 @@ class OutputProcessor:
         self._reqs: dict[str, _Req] = {}
         self._seq_owner: dict[str, str] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-            arrival_time: float = 0.0) -> None:  # fmt: skip
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Called as the request is handed to the engine: its arrival time, which the engine's offsets count from."""
         sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         seqs = {}
         for i, sid in enumerate(sids):
@@ -70,7 +74,7 @@ class OutputProcessor:
             )  # fmt: skip
             seqs[sid] = _Seq(i, detok)
             self._seq_owner[sid] = request_id
-        self._reqs[request_id] = _Req(request_id, prompt, prompt_ids, params, seqs, arrival_time)
+        self._reqs[request_id] = _Req(request_id, prompt, prompt_ids, params, seqs, time.monotonic())
 
     def forget(self, request_id: str) -> None:
         req = self._reqs.pop(request_id, None)
@@ -97,6 +101,9 @@ class OutputProcessor:
                 continue
             if u.prompt_logprobs is not None and req.prompt_logprobs is None:
                 req.prompt_logprobs = u.prompt_logprobs
+            if u.timing is not None and req.timing is None:
+                req.timing = u.timing
+            t0 = time.perf_counter()
             for tok, lp in zip(u.new_token_ids, u.new_logprobs or [None] * len(u.new_token_ids), strict=True):
                 if seq.detok.stopped:
                     break  # past the stop string: not part of the output
@@ -117,6 +124,7 @@ class OutputProcessor:
                 if text := seq.detok.flush():
                     seq.text.append(text)
                 seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
+            req.detokenize_s += time.perf_counter() - t0
         outs = [out for req in touched.values() if (out := self._output(req)) is not None]
         for out in outs:
             if out.finished:
@@ -151,49 +159,78 @@ class OutputProcessor:
         if not outs:
             return None
         finished = all(s.sent_finish for s in req.seqs.values())
+        if finished and req.finished_time is None:
+            req.finished_time = time.monotonic()
         prompt_logprobs = None
         if req.prompt_logprobs is not None and not req.sent_prompt_logprobs:
             prompt_logprobs, req.sent_prompt_logprobs = req.prompt_logprobs, True
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs, finished,
-                             RequestMetrics(req.arrival_time, None, None, None), req.error)  # fmt: skip
+                             self._metrics(req), req.error)  # fmt: skip
+
+    @staticmethod
+    def _metrics(req: _Req) -> RequestMetrics:
+        """The engine's offsets placed on this process's clock, from the arrival recorded in `add`."""
+        t, a = req.timing, req.arrival_time
+        if t is None:
+            return RequestMetrics(a, None, None, req.finished_time, detokenize_s=req.detokenize_s)
+        chunks = [(a + start, a + done, int(tokens)) for start, done, tokens in t.prefill_chunks]
+        return RequestMetrics(a, a + t.queued_s, a + t.first_token_s, req.finished_time, t.num_cached_tokens,
+                              t.num_host_cached_tokens, chunks, req.detokenize_s)  # fmt: skip
 
 
 class OutputAccumulator:
     """A request's deltas (from `OutputProcessor`, or an engine front's stream) added up into its whole output."""
 
-    def __init__(self) -> None:
+    def __init__(self, params: SamplingParams | None = None):
+        """With `params`, the whole output lists all n samples from the start (those without output yet empty),
+        as a caller that decides "every sample ended" must see them; without, only the samples seen."""
         self._last: RequestOutput | None = None
         self._prompt_logprobs: list | None = None
-        self._samples: dict[int, tuple[list[str], CompletionOutput]] = {}  # index -> (text parts, whole so far)
+        self._samples: dict[int, _Whole] = {}
+        for i in range(params.n if params is not None else 0):
+            self._samples[i] = _Whole(i, [] if params.logprobs is not None else None)
 
     def add(self, delta: RequestOutput) -> None:
         self._last = delta
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs = delta.prompt_logprobs
         for c in delta.outputs:
-            if c.index not in self._samples:
-                whole = CompletionOutput(c.index, "", [], None, [] if c.logprobs is not None else None)
-                self._samples[c.index] = ([], whole)
-            parts, whole = self._samples[c.index]
-            parts.append(c.text)
+            whole = self._samples.get(c.index)
+            if whole is None:
+                whole = self._samples[c.index] = _Whole(c.index, [] if c.logprobs is not None else None)
+            whole.text.append(c.text)
             whole.token_ids.extend(c.token_ids)
-            if c.logprobs is not None:
-                whole.logprobs = whole.logprobs if whole.logprobs is not None else []
+            if c.logprobs is not None and whole.logprobs is not None:
                 whole.logprobs.extend(c.logprobs)
             whole.cumulative_logprob = c.cumulative_logprob
             whole.finish_reason, whole.stop_reason = c.finish_reason, c.stop_reason
 
     def result(self) -> RequestOutput | None:
-        """The whole output so far (None before the first delta)."""
+        """The whole output so far (None before the first delta): new objects, which later deltas leave alone."""
         if self._last is None:
             return None
-        outs = []
-        for index in sorted(self._samples):
-            parts, whole = self._samples[index]
-            if len(parts) > 1:
-                parts[:] = ["".join(parts)]
-            whole.text = parts[0] if parts else ""
-            outs.append(whole)
+        outs = [self._samples[i].output() for i in sorted(self._samples)]
         last = self._last
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, self._prompt_logprobs, outs,
                              last.finished, last.metrics, last.error)  # fmt: skip
+
+
+@dataclass
+class _Whole:
+    index: int
+    logprobs: list[dict[int, float]] | None
+    text: list[str] = field(default_factory=list)  # parts, joined when asked for
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self) -> CompletionOutput:
+        if len(self.text) > 1:
+            self.text[:] = ["".join(self.text)]
+        cumulative = self.cumulative_logprob
+        if cumulative is None and self.logprobs is not None:
+            cumulative = 0.0
+        return CompletionOutput(self.index, self.text[0] if self.text else "", list(self.token_ids), cumulative,
+                                list(self.logprobs) if self.logprobs is not None else None, self.finish_reason,
+                                self.stop_reason)  # fmt: skip

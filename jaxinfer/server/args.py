@@ -11,6 +11,7 @@ from jaxinfer.device import DEVICE_ENV, DEVICES, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.model_files import DEFAULT_MODEL
 
 API_KEY_ENV = "JAXINFER_API_KEY"
+CHAT_TRUNCATION = ("off", "oldest")  # jaxinfer.server.truncation
 
 
 @dataclass
@@ -33,6 +34,10 @@ class ServerArgs:
     max_logprobs: int = 20
     seed: int | None = None
     api_key: str | None = None
+    api_keys_file: str | None = None  # JSON Lines of keys with limits (jaxinfer.server.keys), reloaded on SIGHUP
+    access_log: bool = True
+    access_log_file: str | None = None
+    otlp_traces_endpoint: str | None = None
     max_waiting: int | None = None
     log_level: str = "info"
     tensor_parallel_size: int = 1
@@ -58,6 +63,8 @@ class ServerArgs:
     engine_process: bool = True  # the engine core in its own process (ignored with an injected loader)
     overlap_scheduling: bool = True  # dispatch each step before reading the previous one's tokens
     step_timeline: bool = False  # time every step (device busy / idle, host) for /metrics
+    chat_truncation: str = "off"  # "oldest": drop a chat's oldest turns instead of a 400 when it does not fit
+    filters_config: str | None = None  # JSON file of input/output content filters (jaxinfer.server.filters)
 
     @property
     def model_names(self) -> list[str]:
@@ -149,6 +156,28 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"require `Authorization: Bearer KEY` on /v1 and /(de)tokenize (default: ${API_KEY_ENV})",
     )
     p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='JSON Lines file of API keys, one {"id", "key", "rpm", "tpm", "max_concurrent"} object a line'
+        " (limits optional: requests/tokens per minute, requests in flight; over one: 429); read again on SIGHUP."
+        " Works beside --api-key (id `default`, no limits)",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one JSON line per request on the `jaxinfer.access` logger (id, key id, tokens, queue time, TTFT,"
+        " end-to-end time, finish reasons); --no-access-log: none",
+    )
+    p.add_argument("--access-log-file", default=None,
+                   help="write the access log's JSON lines to this file instead of stderr")  # fmt: skip
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send OpenTelemetry traces of every request (queue, prefill chunks, decode, detokenize) to this OTLP"
+        " endpoint (gRPC; $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP); needs jaxinfer[otel]",
+    )
+    p.add_argument(
         "--max-waiting",
         type=int,
         default=None,
@@ -167,6 +196,15 @@ def make_parser() -> argparse.ArgumentParser:
                       help="outputs that may wait for a stream's client before its request is aborted")  # fmt: skip
     caps.add_argument("--tokenizer-threads", type=_positive_int, default=4,
                       help="threads for tokenization, chat templates and validation (off the event loop)")  # fmt: skip
+    policy = p.add_argument_group("serving policies (docs/guides/serving-policies.md)")
+    policy.add_argument("--chat-truncation", default="off", choices=CHAT_TRUNCATION,
+                        help="a chat whose prompt plus max_tokens exceeds the context: off answers 400"
+                        " (context_length_exceeded); oldest drops its oldest turns, keeping the system prompt and"
+                        " the last user message, and reports them in usage.truncated_messages")  # fmt: skip
+    policy.add_argument("--filters-config", default=None, metavar="PATH",
+                        help="JSON file of content filters run on prompts (a blocked one is a 400, code"
+                        " content_filter) and on generated text (held until it passes; a blocked choice ends with"
+                        " finish_reason content_filter)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="devices each replica spans")
     p.add_argument("--data-parallel-size", type=_positive_int, default=1, help="model replicas in this process")
@@ -221,4 +259,18 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         make_parser().error("--max-waiting must be >= 0")
     if not 0 < ns.gpu_memory_utilization <= 1:
         make_parser().error("--gpu-memory-utilization must be in (0, 1]")
+    if ns.api_keys_file is not None:  # a bad file stops the start, before the model loads
+        from jaxinfer.server.keys import KeyFileError, KeyRing
+
+        try:
+            KeyRing(ns.api_key, ns.api_keys_file)
+        except KeyFileError as e:
+            make_parser().error(f"--api-keys-file: {e}")
+    if ns.filters_config is not None:  # a bad file stops the server before it starts, not at its first request
+        from jaxinfer.server.filters import load_filters
+
+        try:
+            load_filters(ns.filters_config)
+        except ValueError as e:
+            make_parser().error(str(e))
     return ServerArgs(**vars(ns))

@@ -9,20 +9,22 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
-from jaxinfer.server.generation import EngineRequest, final_output, run_request
+from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
 from jaxinfer.server.logprobs import chat_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage
-from jaxinfer.server.sampling import chat_params, check_fanout, check_prompt_fits, reject_unsupported
-from jaxinfer.server.state import Ticket
+from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
+from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns
 from jaxinfer.tokenizer import ChatTemplateError, Tokenizer
 from jaxinfer.types import RequestOutput
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them; 400 naming a message that is not text."""
     if not messages:
         raise bad_request("messages must hold at least one message", "messages")
     convo = []
@@ -36,23 +38,46 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
         if m.name is not None:
             msg["name"] = m.name
         convo.append(msg)
+    return convo
+
+
+def apply_template(tokenizer: Tokenizer, convo: list[dict], add_generation_prompt: bool = True) -> str:
     try:
         return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt)
     except (ChatTemplateError, jinja2.TemplateError) as e:
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
 
 
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    return apply_template(tokenizer, chat_messages(messages), add_generation_prompt)
+
+
 def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str) -> EngineRequest:
-    """Chat template, tokenization and validation (on the thread pool: long conversations take a while)."""
-    text = render_chat(ctx.tokenizer, req.messages)
-    ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template already wrote BOS where wanted
-    check_prompt_fits(len(ids), ctx.context_tokens, "messages")
-    params, renames = chat_params(req, len(ids), ctx.context_tokens)
+    """Input filters, chat template, tokenization, the context-window rule and validation (on the thread pool: long
+    conversations take a while)."""
+    convo = chat_messages(req.messages)
+    for i, m in enumerate(convo):
+        ctx.check_input(m["content"], f"messages.{i}.content")
+    limit = ctx.context_tokens
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    need = completion_room(asked, limit, "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
+
+    def encode(msgs: list[dict]) -> tuple[str, list[int]]:
+        text = apply_template(ctx.tokenizer, msgs)
+        return text, ctx.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS where wanted
+
+    truncation = None
+    if ctx.args.chat_truncation == "oldest":
+        (text, ids), truncation = drop_oldest_turns(convo, encode, lambda e: len(e[1]), need, limit)
+    else:
+        text, ids = encode(convo)
+        check_fits(len(ids), need, limit, "messages")
+    params, renames = chat_params(req, len(ids), limit)
     try:
         ids = engine.validate(ids, params)
     except ValueError as e:
         raise from_value_error(e, renames) from None
-    return EngineRequest(rid, text, ids, params)
+    return EngineRequest(rid, text, ids, params, truncation, ctx.output_gate(ids, params))
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -63,17 +88,18 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     check_fanout(req, ctx.args)
     rid, engine_id = request_id(request, "chatcmpl")
     sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id)
-    ticket = ctx.state.admit(1, req.n)
+    admission = ctx.admit(request, rid, model, [sub], req.stream)
     view = _View(ctx, req, sub, model, rid)
     if req.stream:
-        return TrackedStream(view.stream(ticket), ticket.release)
+        return TrackedStream(view.stream(admission), admission.release, admission.headers())
     try:
-        final = await cancel_on_disconnect(request, final_output(ctx.state, ctx.metrics, sub, ticket, 0))
+        final = await cancel_on_disconnect(request, final_output(ctx.state, ctx.metrics, sub, admission, 0))
     except ClientDisconnected:
+        admission.failed(499, "client_disconnected")
         return Response(status_code=499)
     finally:
-        ticket.release()
-    return JSONResponse(view.response(final))
+        admission.release()
+    return JSONResponse(view.response(final), headers=admission.headers())
 
 
 class _View:
@@ -88,13 +114,8 @@ class _View:
             return None
         return chat_logprobs(token_ids, entries or [], self.req.top_logprobs or 0, self.ctx.token_text)
 
-    def _usage(self, completion_tokens: int) -> dict:
-        prompt_tokens = len(self.sub.prompt_ids)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
+    def _usage(self, completion_tokens: int, out: RequestOutput | None) -> dict:
+        return usage([self.sub], completion_tokens, [out])
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
@@ -112,13 +133,14 @@ class _View:
             for c in final.outputs
         ]
         body = self._envelope("chat.completion", choices)
-        body["usage"] = self._usage(sum(len(c.token_ids) for c in final.outputs))
+        body["usage"] = self._usage(sum(len(c.token_ids) for c in final.outputs), final)
         return body
 
-    async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
+    async def stream(self, admission: Admission) -> AsyncIterator[str]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         n = self.req.n
-        completion_tokens = 0
+        sent_chars, sent_tokens = [0] * n, [0] * n
+        finished = [False] * n
 
         def chunk(choices: list[dict]) -> str:
             body = self._envelope("chat.completion.chunk", choices)
@@ -131,20 +153,29 @@ class _View:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])  # fmt: skip
         try:
-            # Each output holds only what is new for the samples that moved, text and the tokens that made it.
-            async for _, out in merge([run_request(self.ctx.state, self.ctx.metrics, self.sub, ticket, 0)]):
+            last = None
+            async for _, out in merge([run_request(self.ctx.state, self.ctx.metrics, self.sub, admission, 0)]):
+                last = out
                 for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
-                    yield chunk([{
-                        "index": c.index,
-                        "delta": {"content": c.text} if c.text else {},
-                        "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    i = c.index
+                    if finished[i]:
+                        continue
+                    delta = c.text[sent_chars[i] :]
+                    if not delta and c.finish_reason is None:
+                        continue  # text held back (an unfinished character or a possible stop string)
+                    choice = {
+                        "index": i,
+                        "delta": {"content": delta} if delta else {},
+                        "logprobs": self._logprobs(c.token_ids[sent_tokens[i] :], (c.logprobs or [])[sent_tokens[i] :]),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
-                    }])  # fmt: skip
+                    }
+                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    finished[i] = c.finish_reason is not None
+                    yield chunk([choice])
             if include_usage:
                 body = self._envelope("chat.completion.chunk", [])
-                body["usage"] = self._usage(completion_tokens)
+                body["usage"] = self._usage(sum(sent_tokens), last)
                 yield sse(body)
         except APIError as e:  # the engine died mid-stream: the status line is sent already, so say it in-band
             yield sse(e.body())

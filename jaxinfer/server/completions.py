@@ -9,20 +9,14 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
-from jaxinfer.server.generation import EngineRequest, final_output, run_request
+from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
 from jaxinfer.server.logprobs import completion_logprobs, join_logprobs
 from jaxinfer.server.protocol import CompletionRequest
-from jaxinfer.server.sampling import (
-    check_fanout,
-    check_prompt_fits,
-    completion_params,
-    prompt_only,
-    reject_unsupported,
-)
-from jaxinfer.server.state import Ticket
+from jaxinfer.server.sampling import check_fanout, completion_params, prompt_only, reject_unsupported
 from jaxinfer.server.streaming import (
     SSE_DONE,
     ClientDisconnected,
@@ -32,6 +26,7 @@ from jaxinfer.server.streaming import (
     merge,
     sse,
 )
+from jaxinfer.server.truncation import completion_room, keep_last_tokens
 from jaxinfer.types import RequestOutput
 
 
@@ -61,18 +56,29 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
 
 
 def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix: str) -> list[EngineRequest]:
-    """Tokenizes and validates every prompt (on the thread pool: large prompts take a while)."""
+    """Tokenizes every prompt, and puts it through the input filters, the context-window rule and validation (on the
+    thread pool: large prompts take a while)."""
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be >= 1 (0 only with echo, which returns the scored prompt)", "max_tokens")
+    limit = ctx.context_tokens
+    need = completion_room(1 if prompt_only(req) else req.max_tokens, limit, "max_tokens")
     subs = []
-    for i, (text, ids) in enumerate(_prompts(req, ctx)):
-        check_prompt_fits(len(ids), ctx.context_tokens, "prompt")
-        params = completion_params(req, len(ids), ctx.context_tokens)
+    prompts = _prompts(req, ctx)
+    for i, (text, ids) in enumerate(prompts):
+        # Token-id prompts are checked as the text they decode to: filters cannot be bypassed by sending ids.
+        if ctx.filters is not None:
+            param = f"prompt.{i}" if len(prompts) > 1 else "prompt"
+            ctx.check_input(text if text is not None else ctx.tokenizer.decode(ids), param)
+        kept, truncation = keep_last_tokens(ids, req.truncate_prompt_tokens, need, limit, "prompt")
+        if len(kept) < len(ids):
+            text = None  # echo and the output show the tokens the model saw
+        params = completion_params(req, len(kept), limit)
         try:
-            ids = engine.validate(ids, params)
+            kept = engine.validate(kept, params)
         except ValueError as e:
             raise from_value_error(e) from None
-        subs.append(EngineRequest(f"{prefix}-{i}", text, ids, params))
+        gate = None if prompt_only(req) else ctx.output_gate(kept, params)  # prompt only: no generated text shown
+        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation, gate))
     return subs
 
 
@@ -84,19 +90,20 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     check_fanout(req, ctx.args)
     rid, prefix = request_id(request, "cmpl")
     subs = await ctx.off_loop(_engine_requests, ctx, req, engine, prefix)
-    ticket = ctx.state.admit(len(subs), req.n)
+    admission = ctx.admit(request, rid, model, subs, req.stream)
     view = _View(ctx, req, subs, rid, model)
     if req.stream:
-        return TrackedStream(view.stream(ticket), ticket.release)
+        return TrackedStream(view.stream(admission), admission.release, admission.headers())
     try:
         finals = await cancel_on_disconnect(
-            request, gather_all([final_output(ctx.state, ctx.metrics, s, ticket, i) for i, s in enumerate(subs)])
+            request, gather_all([final_output(ctx.state, ctx.metrics, s, admission, i) for i, s in enumerate(subs)])
         )
     except ClientDisconnected:
+        admission.failed(499, "client_disconnected")
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
     finally:
-        ticket.release()
-    return JSONResponse(view.response(finals))
+        admission.release()
+    return JSONResponse(view.response(finals), headers=admission.headers())
 
 
 class _View:
@@ -131,26 +138,21 @@ class _View:
         """echo with logprobs: the choice's logprobs cover the echoed prompt tokens first (OpenAI, vLLM)."""
         return self.req.echo and self.req.logprobs is not None
 
-    def _choice_logprobs(self, sub: EngineRequest, prompt_logprobs, token_ids, entries, base: int, echoed: bool):
+    def _choice_logprobs(self, sub: EngineRequest, out: RequestOutput, token_ids, entries, base: int, echoed: bool):
         """Logprobs of a choice's (new) tokens, offsets from `base`; when `echoed`, the echoed prompt's tokens come
         first, at offsets from `base` - len(echo): the first one unscored (None), the others as the engine scored
-        them given the tokens before them (`prompt_logprobs`)."""
+        them given the tokens before them."""
         gen = self._logprobs(token_ids, entries, base)
         if not (echoed and self._scores_prompt):
             return gen
         ids = sub.prompt_ids
-        scored = list(prompt_logprobs or [])[: len(ids)]
+        scored = list(out.prompt_logprobs or [])[: len(ids)]
         scored += [None] * (len(ids) - len(scored))  # never short in practice; an unscored token shows None
         prompt = self._logprobs(ids, scored, base - len(self._echo(sub)))
         return join_logprobs(prompt, gen)
 
-    def _usage(self, completion_tokens: int) -> dict:
-        prompt_tokens = sum(len(s.prompt_ids) for s in self.subs)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
+    def _usage(self, completion_tokens: int, outs: list[RequestOutput | None]) -> dict:
+        return usage(self.subs, completion_tokens, outs)
 
     def _envelope(self, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
@@ -165,46 +167,58 @@ class _View:
                 choices.append({
                     "index": i * self.n + c.index,
                     "text": echo + c.text,
-                    "logprobs": self._choice_logprobs(sub, out.prompt_logprobs, c.token_ids, c.logprobs, len(echo),
-                                                      True),
+                    "logprobs": self._choice_logprobs(sub, out, c.token_ids, c.logprobs, len(echo), True),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })  # fmt: skip
         body = self._envelope(choices)
-        body["usage"] = self._usage(sum(len(c.token_ids) for out in finals for c in out.outputs))
+        body["usage"] = self._usage(sum(len(c.token_ids) for out in finals for c in out.outputs), finals)
         return body
 
-    async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
+    async def stream(self, admission: Admission) -> AsyncIterator[str]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
-        out_chars: dict[int, int] = {}  # choice index -> characters sent, echo included: base of text_offset
-        prompt_logprobs: dict[int, list] = {}  # prompt index -> its scored prompt (they come in its first output)
-        completion_tokens = 0
-        streams = [run_request(self.ctx.state, self.ctx.metrics, s, ticket, i) for i, s in enumerate(self.subs)]
+        sent_chars: dict[int, int] = {}  # choice index -> characters of its text already sent (echo excluded)
+        sent_tokens: dict[int, int] = {}
+        out_chars: dict[int, int] = {}  # characters sent including the echo: base of text_offset
+        finished: set[int] = set()
+        streams = [run_request(self.ctx.state, self.ctx.metrics, s, admission, i) for i, s in enumerate(self.subs)]
+        last: list[RequestOutput | None] = [None] * len(self.subs)
         try:
-            # Each output holds only what is new for the samples that moved, text and the tokens that made it.
             async for i, out in merge(streams):
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[i] = out.prompt_logprobs
-                out = self._visible(out)
+                last[i] = out = self._visible(out)
                 for c in out.outputs:
                     idx = i * self.n + c.index
-                    first = idx not in out_chars
+                    if idx in finished:
+                        continue
+                    first = idx not in sent_chars
+                    if first and self._scores_prompt and out.prompt_logprobs is None and c.finish_reason is None:
+                        continue  # the echo goes out with its logprobs, which come with the first token
                     prefix = self._echo(self.subs[i]) if first else ""
+                    a, t = sent_chars.get(idx, 0), sent_tokens.get(idx, 0)
+                    delta = prefix + c.text[a:]
+                    if not delta and c.finish_reason is None:
+                        continue  # text held back (an unfinished character or a possible stop string)
                     base = out_chars.get(idx, 0) + len(prefix)
-                    entries = self._choice_logprobs(
-                        self.subs[i], prompt_logprobs.get(i), c.token_ids, c.logprobs, base, first
-                    )  # fmt: skip
-                    completion_tokens += len(c.token_ids)
-                    out_chars[idx] = base + len(c.text)
-                    choice = {"index": idx, "text": prefix + c.text, "logprobs": entries,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+                    choice = {
+                        "index": idx,
+                        "text": delta,
+                        "logprobs": self._choice_logprobs(
+                            self.subs[i], out, c.token_ids[t:], (c.logprobs or [])[t:], base, first
+                        ),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    sent_chars[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    out_chars[idx] = out_chars.get(idx, 0) + len(delta)
+                    if c.finish_reason is not None:
+                        finished.add(idx)
                     chunk = self._envelope([choice])
                     if include_usage:
                         chunk["usage"] = None
                     yield sse(chunk)
             if include_usage:
                 chunk = self._envelope([])
-                chunk["usage"] = self._usage(completion_tokens)
+                chunk["usage"] = self._usage(sum(sent_tokens.values()), last)
                 yield sse(chunk)
         except APIError as e:  # the engine died mid-stream: the status line is sent already, so say it in-band
             yield sse(e.body())

@@ -1,7 +1,10 @@
 """A stand-in for `jaxinfer.engine.engine.Engine` with the same interface, for lifecycle tests that need control
 the real model cannot give: hold every step, or kill the engine thread on purpose.
 
-It "generates" token ids counting up from the last prompt token, one per step per sequence, and needs no jax.
+It "generates" token ids counting up from the last prompt token (or from `first_token` when set), one per step per
+sequence, with logprob -1.0 for each when asked, and needs no jax. Like the real engine it reports each sequence's
+timeline (`SeqTiming`) with its first token: its prompt is "prefilled" in chunks of `prefill_chunk` tokens, one
+chunk a step, and the last chunk's step makes the first token.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from jaxinfer.types import SamplingParams, SeqUpdate
+from jaxinfer.types import SamplingParams, SeqTiming, SeqUpdate
 
 
 @dataclass
@@ -46,12 +49,16 @@ class FakeEngine:
         self.runner = _Runner()
         self.allocator = _Allocator()
         self.scheduler = _Scheduler()
-        self.seqs: dict[str, list] = {}  # seq id -> [next token, tokens left]
+        self.seqs: dict[str, _Seq] = {}
+        self.first_token: int | None = None  # every sequence counts up from here instead (chat prompts all end alike)
+        self.prompts: dict[str, list[int]] = {}  # request id -> the prompt it was given (what the model "saw")
         # While paused the engine thread idles (no step runs, commands such as aborts still do): requests stay
         # waiting for their first token.
         self.paused = False
         self.fail_next_step = False
-        self.step_seconds = 0.0  # each step takes this long (a device would): a paced producer, not a flood
+        self.prefill_chunk: int | None = None  # prompt tokens per step (None: the whole prompt in one step)
+        self.stop_after: int | None = None  # end every sequence with "stop" after this many tokens (as an EOS)
+        self.step_delay = 0.0  # seconds each step takes, as a device would
 
     def validate(self, prompt_ids, params: SamplingParams) -> list[int]:
         prompt = [int(t) for t in prompt_ids]
@@ -63,8 +70,11 @@ class FakeEngine:
 
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str) -> str:
         sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.prompts[request_id] = list(prompt_ids)
         for sid in sids:
-            self.seqs[sid] = [(prompt_ids[-1] + 1) % self.vocab_size, params.max_tokens]
+            start = self.first_token if self.first_token is not None else prompt_ids[-1] + 1
+            asked = params.logprobs is not None
+            self.seqs[sid] = _Seq(start % self.vocab_size, params.max_tokens, len(prompt_ids), asked)
         self.allocator.num_used += len(sids)
         return request_id
 
@@ -85,14 +95,38 @@ class FakeEngine:
     def step(self) -> list[SeqUpdate]:
         if self.fail_next_step:
             raise RuntimeError("injected engine failure")
-        if self.step_seconds:
-            time.sleep(self.step_seconds)
+        time.sleep(self.step_delay)
         updates = []
         for sid, seq in list(self.seqs.items()):
-            tok = seq[0]
-            seq[0], seq[1] = (tok + 1) % self.vocab_size, seq[1] - 1
-            done = seq[1] == 0
-            if done:
+            timing = None
+            if seq.computed < seq.prompt_len:  # prefill: one chunk this step
+                start = time.monotonic() - seq.arrival
+                seq.scheduled = start if seq.scheduled is None else seq.scheduled
+                n = min(seq.prompt_len - seq.computed, self.prefill_chunk or seq.prompt_len)
+                seq.computed += n
+                seq.chunks.append([start, time.monotonic() - seq.arrival, n])
+                if seq.computed < seq.prompt_len:
+                    continue
+                now = time.monotonic() - seq.arrival
+                timing = SeqTiming(seq.scheduled, now, 0, seq.chunks)
+            tok = seq.next
+            seq.next, seq.left, seq.made = (tok + 1) % self.vocab_size, seq.left - 1, seq.made + 1
+            reason = "length" if seq.left == 0 else "stop" if seq.made == self.stop_after else None
+            if reason:
                 self._drop(sid)
-            updates.append(SeqUpdate(sid, [tok], [], done, "length" if done else None))
+            lps = [{tok: -1.0}] if seq.logprobs else []
+            updates.append(SeqUpdate(sid, [tok], lps, reason is not None, reason, timing=timing))
         return updates
+
+
+@dataclass
+class _Seq:
+    next: int  # the next token it makes
+    left: int  # tokens before max_tokens
+    prompt_len: int
+    logprobs: bool  # asked for
+    computed: int = 0  # prompt tokens "prefilled"
+    made: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None
+    chunks: list = field(default_factory=list)

@@ -22,7 +22,7 @@ STEP_S = 0.004  # a paced producer: a stalled stream fills its buffer in a fract
 def _paced_build(args: dict):
     """Runs in the spawned core: the fake engine, one step per STEP_S."""
     engine, tokenizer = _fake_build(args)
-    engine.step_seconds = STEP_S
+    engine.step_delay = STEP_S
     # Room for long streams (tests/server/test_stream_memory.py): 8192 tokens of context, 16384 in the pool.
     engine.cc.max_model_len = 8192
     engine.allocator.num_pages, engine.runner.num_kv_tokens = 1024, 16384
@@ -34,7 +34,7 @@ class _InProcess:
         from jaxinfer.engine.async_engine import AsyncEngine
 
         self.fake = FakeEngine(tokenizer.vocab_size)
-        self.fake.step_seconds = STEP_S
+        self.fake.step_delay = STEP_S
         self.engine = AsyncEngine(self.fake, tokenizer, limits=limits)
 
     def pages_used(self) -> int:
