@@ -50,6 +50,16 @@ class FakeEngine:
         # waiting for their first token.
         self.paused = False
         self.fail_next_step = False
+        self.session_ids: list[str | None] = []  # each request's params.session_id, in arrival order
+
+    def cache_stats(self) -> dict[str, float]:
+        return {}  # no sessions, no host tier
+
+    def expire_sessions(self) -> None:
+        pass
+
+    def release_sessions(self) -> None:
+        pass
 
     def validate(self, prompt_ids, params: SamplingParams) -> list[int]:
         prompt = [int(t) for t in prompt_ids]
@@ -61,6 +71,7 @@ class FakeEngine:
 
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str) -> str:
         sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.session_ids.append(params.session_id)
         for sid in sids:
             self.seqs[sid] = [(prompt_ids[-1] + 1) % self.vocab_size, params.max_tokens]
         self.allocator.num_used += len(sids)
