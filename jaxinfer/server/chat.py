@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -10,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxinfer.server.body import parse_request
-from jaxinfer.server.context import ServingContext, request_id
+from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request
 from jaxinfer.server.logprobs import chat_logprobs
@@ -42,12 +43,15 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
 
 
-def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str) -> EngineRequest:
+def _engine_request(
+    ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str, session: str | None
+) -> EngineRequest:
     """Chat template, tokenization and validation (on the thread pool: long conversations take a while)."""
     text = render_chat(ctx.tokenizer, req.messages)
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template already wrote BOS where wanted
     check_prompt_fits(len(ids), ctx.context_tokens, "messages")
     params, renames = chat_params(req, len(ids), ctx.context_tokens)
+    params = dataclasses.replace(params, session_id=session)
     try:
         ids = engine.validate(ids, params)
     except ValueError as e:
@@ -62,7 +66,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     reject_unsupported(req)
     check_fanout(req, ctx.args)
     rid, engine_id = request_id(request, "chatcmpl")
-    sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id)
+    sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id, session_id(request, req.user))
     ticket = ctx.state.admit(1, req.n)
     view = _View(ctx, req, sub, model, rid)
     if req.stream:

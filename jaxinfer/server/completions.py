@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxinfer.server.body import parse_request
-from jaxinfer.server.context import ServingContext, request_id
+from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request
 from jaxinfer.server.logprobs import completion_logprobs, join_logprobs
@@ -60,14 +60,19 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
     return out
 
 
-def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix: str) -> list[EngineRequest]:
-    """Tokenizes and validates every prompt (on the thread pool: large prompts take a while)."""
+def _engine_requests(
+    ctx: ServingContext, req: CompletionRequest, engine, prefix: str, session: str | None
+) -> list[EngineRequest]:
+    """Tokenizes and validates every prompt (on the thread pool: large prompts take a while). A session follows
+    one conversation: with several prompts none of them keeps its pages."""
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be >= 1 (0 only with echo, which returns the scored prompt)", "max_tokens")
     subs = []
-    for i, (text, ids) in enumerate(_prompts(req, ctx)):
+    prompts = _prompts(req, ctx)
+    for i, (text, ids) in enumerate(prompts):
         check_prompt_fits(len(ids), ctx.context_tokens, "prompt")
         params = completion_params(req, len(ids), ctx.context_tokens)
+        params = dataclasses.replace(params, session_id=session if len(prompts) == 1 else None)
         try:
             ids = engine.validate(ids, params)
         except ValueError as e:
@@ -83,7 +88,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     reject_unsupported(req)
     check_fanout(req, ctx.args)
     rid, prefix = request_id(request, "cmpl")
-    subs = await ctx.off_loop(_engine_requests, ctx, req, engine, prefix)
+    subs = await ctx.off_loop(_engine_requests, ctx, req, engine, prefix, session_id(request, req.user))
     ticket = ctx.state.admit(len(subs), req.n)
     view = _View(ctx, req, subs, rid, model)
     if req.stream:
