@@ -2,31 +2,16 @@
 request too large for one replica goes to the other, and one that fits no replica is a ValueError naming
 max_tokens (a 400 on the server), never a request that waits forever.
 
-jax fixes the device count when it starts, so the test runs in a child pytest with 8 CPU devices, as
-tests/sharding/test_mesh.py does."""
+Runs in the 8-device child pytest (tests/eight_devices.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-CHILD = os.environ.get("JAXINFER_DP_CHILD") == "1"
+from tests.eight_devices import child_only
 
 
-@pytest.mark.skipif(CHILD, reason="the parent launcher")
-def test_dp_capacity_on_8_cpu_devices():
-    env = {**os.environ, "JAXINFER_DP_CHILD": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout
-
-
-@pytest.mark.skipif(not CHILD, reason="runs inside the 8-device child process")
+@child_only
 def test_unequal_replicas_route_by_capacity(monkeypatch):
     import jax
 

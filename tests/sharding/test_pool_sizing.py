@@ -1,31 +1,15 @@
 """Default KV pool sizing on real meshes: under tensor parallelism a device holds its share of each page, so a
 per-device budget buys tp times the pages; each data-parallel replica is sized, and placed, on its own devices.
 
-Runs in a child pytest with 8 CPU devices (jax fixes the device count when it starts), like test_mesh.py.
+Runs in the 8-device child pytest (tests/eight_devices.py).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-CHILD = os.environ.get("JAXINFER_POOL_CHILD") == "1"
-child_only = pytest.mark.skipif(not CHILD, reason="runs inside the 8-device child process")
-
-
-@pytest.mark.skipif(CHILD, reason="the parent launcher")
-def test_pool_sizing_on_8_cpu_devices():
-    env = {**os.environ, "JAXINFER_POOL_CHILD": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout
-
+from tests.eight_devices import CHILD, child_only
 
 if CHILD:
     import jax
