@@ -12,7 +12,6 @@ model without restarting.
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -210,7 +209,7 @@ class LLM:
             rid = f"llm-{self._counter}"
             self._counter += 1
             self.engine.add_request(ids, sp, rid)
-            self.processor.add(rid, text, ids, sp, time.monotonic())
+            self.processor.add(rid, text, ids, sp)
             rids.append(rid)
         return self._run(rids, use_tqdm)
 

@@ -31,7 +31,7 @@ from jaxinfer.engine.scheduler import Evicted, Load, Scheduler
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
 from jaxinfer.step import SeqChunk
-from jaxinfer.types import Request, SamplingParams, SeqUpdate, Status
+from jaxinfer.types import Request, SamplingParams, SeqTiming, SeqUpdate, Status
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +377,11 @@ class Engine:
         for i, s in enumerate(batch):
             r = s.req
             n_prompt = len(r.prompt_token_ids)
-            self.num_prefilled_tokens += max(0, min(r.num_computed + s.num_new, n_prompt) - r.num_computed)
+            prompt_tokens = max(0, min(r.num_computed + s.num_new, n_prompt) - r.num_computed)
+            self.num_prefilled_tokens += prompt_tokens
+            if prompt_tokens and r.first_token_time is None:  # a prefill chunk (a recompute after preemption: not)
+                s.prefill_chunk = [now - r.arrival_time, -1.0, prompt_tokens]
+                r.prefill_chunks.append(s.prefill_chunk)
             r.num_computed += s.num_new  # the next step may be scheduled before this one's results are read
             if s.samples:
                 s.out_index = len(r.output_token_ids)
@@ -403,6 +407,8 @@ class Engine:
         for i, (s, chunk) in enumerate(zip(batch, chunks, strict=True)):
             req = s.req
             start, off = off, off + len(chunk.token_ids)
+            if s.prefill_chunk is not None:  # with overlap, read after the next step was dispatched
+                s.prefill_chunk[1] = now - req.arrival_time
             if req.status is Status.FINISHED:  # ended (stop string, abort, eos) while this step was in flight
                 continue
             try:
@@ -440,6 +446,11 @@ class Engine:
             self.seqs.pop(req.request_id, None)
             self._forget_group(req)
         update = SeqUpdate(req.request_id, [tok], lp, reason is not None, reason, stop_reason)
+        if s.out_index == 0:
+            update.timing = SeqTiming(
+                (req.first_scheduled_time or now) - req.arrival_time, now - req.arrival_time, req.num_cached_tokens,
+                req.prefill_chunks, req.num_host_cached_tokens,
+            )  # fmt: skip
         if req.params.prompt_logprobs is not None and s.out_index == 0:
             update.prompt_logprobs = req.prompt_logprobs
         return update

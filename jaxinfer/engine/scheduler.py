@@ -54,6 +54,7 @@ class ScheduledSeq:
     # scheduled: the engine advances num_computed as soon as it dispatches the step).
     samples: bool = False
     out_index: int = -1  # where its sampled token goes in req.output_token_ids (set by the engine)
+    prefill_chunk: list | None = None  # its entry in req.prefill_chunks, completed when the step is read (engine)
 
     def __post_init__(self) -> None:
         self.samples = self.req.num_computed + self.num_new == self.req.num_tokens

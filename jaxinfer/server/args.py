@@ -34,6 +34,10 @@ class ServerArgs:
     max_logprobs: int = 20
     seed: int | None = None
     api_key: str | None = None
+    api_keys_file: str | None = None  # JSON Lines of keys with limits (jaxinfer.server.keys), reloaded on SIGHUP
+    access_log: bool = True
+    access_log_file: str | None = None
+    otlp_traces_endpoint: str | None = None
     max_waiting: int | None = None
     log_level: str = "info"
     tensor_parallel_size: int = 1
@@ -195,6 +199,28 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"require `Authorization: Bearer KEY` on /v1 and /(de)tokenize (default: ${API_KEY_ENV})",
     )
     p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='JSON Lines file of API keys, one {"id", "key", "rpm", "tpm", "max_concurrent"} object a line'
+        " (limits optional: requests/tokens per minute, requests in flight; over one: 429); read again on SIGHUP."
+        " Works beside --api-key (id `default`, no limits)",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one JSON line per request on the `jaxinfer.access` logger (id, key id, tokens, queue time, TTFT,"
+        " end-to-end time, finish reasons); --no-access-log: none",
+    )
+    p.add_argument("--access-log-file", default=None,
+                   help="write the access log's JSON lines to this file instead of stderr")  # fmt: skip
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send OpenTelemetry traces of every request (queue, prefill chunks, decode, detokenize) to this OTLP"
+        " endpoint (gRPC; $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP); needs jaxinfer[otel]",
+    )
+    p.add_argument(
         "--max-waiting",
         type=int,
         default=None,
@@ -276,6 +302,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         make_parser().error("--max-waiting must be >= 0")
     if not 0 < ns.gpu_memory_utilization <= 1:
         make_parser().error("--gpu-memory-utilization must be in (0, 1]")
+    if ns.api_keys_file is not None:  # a bad file stops the start, before the model loads
+        from jaxinfer.server.keys import KeyFileError, KeyRing
+
+        try:
+            KeyRing(ns.api_key, ns.api_keys_file)
+        except KeyFileError as e:
+            make_parser().error(f"--api-keys-file: {e}")
     if ns.filters_config is not None:  # a bad file stops the server before it starts, not at its first request
         from jaxinfer.server.filters import load_filters
 

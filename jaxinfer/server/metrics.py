@@ -15,9 +15,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from jaxinfer.server.state import Phase, ServerState
+from jaxinfer.types import RequestMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                     80.0, 160.0)  # fmt: skip
+_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
@@ -112,6 +114,28 @@ class Metrics:
                              buckets=_ITL_BUCKETS, registry=r)  # fmt: skip
         self.e2e = Histogram("jaxinfer:e2e_request_latency_seconds", "Arrival to last output",
                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.queue_time = Histogram("jaxinfer:request_queue_time_seconds", "Handed to the engine to its first step",
+                                    buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.prefix_hit_rate = Histogram(
+            "jaxinfer:request_prefix_cache_hit_rate", "Per request: prompt tokens found in the prefix cache / prompt "
+            "tokens", buckets=_RATE_BUCKETS, registry=r,
+        )  # fmt: skip
+        # Observed for requests whose engine has a host KV tier (it sets Request.num_host_cached_tokens).
+        self.host_hit_rate = Histogram(
+            "jaxinfer:request_host_cache_hit_rate", "Per request: prompt tokens restored from the host KV tier / "
+            "prompt tokens", buckets=_RATE_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def first_token(self, ttft: float, prompt_tokens: int, timeline: RequestMetrics | None) -> None:
+        """An engine request's first token: its TTFT, and what the engine reported of its prompt's path."""
+        self.ttft.observe(ttft)
+        self.prompt_tokens.inc(prompt_tokens)
+        if timeline is None or timeline.first_scheduled_time is None:
+            return
+        self.queue_time.observe(max(0.0, timeline.first_scheduled_time - timeline.arrival_time))
+        self.prefix_hit_rate.observe(timeline.num_cached_tokens / prompt_tokens)
+        if timeline.num_host_cached_tokens is not None:
+            self.host_hit_rate.observe(timeline.num_host_cached_tokens / prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
