@@ -94,6 +94,7 @@ def engine_stats(engine: Any) -> dict:
         "generated_tokens": engine.num_generated_tokens,
         "steps": engine.num_steps,
         "compiles": compile_count(),
+        "cache": engine.cache_stats(),  # sessions and host tier (Engine.cache_stats)
         **timeline_stats(engine),
     }
 
@@ -232,7 +233,8 @@ class EngineCore:
         engine = self.engine
         while self.running:
             if not engine.has_unfinished() and not self.commands.poll(1000):
-                continue  # idle: wait for a command
+                engine.expire_sessions()  # idle: pinned conversations still time out
+                continue  # and wait for a command
             changed = self._drain_commands()
             if not self.running:
                 return
@@ -267,6 +269,7 @@ class EngineCore:
                 self.engine.finish_sequence(sid, reason, stop_reason)
             elif op == "shutdown":
                 log.info("engine core: shutting down")
+                self.engine.release_sessions()
                 self.running = False
                 return True
             else:
