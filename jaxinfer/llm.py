@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxinfer.cache.sizing import parse_bytes
+from jaxinfer.cache.sizing import parse_bytes, parse_size
 from jaxinfer.device import check_device, resolve_kv_cache_dtype
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
@@ -57,6 +57,9 @@ def build_engine(
     attn_impl: str | None = None,
     compilation_cache: bool | str = True,
     overlap_scheduling: bool = True,
+    session_ttl: float = 300.0,
+    session_cache_pages: int | None = None,
+    host_kv_cache_memory: int | str | None = None,
 ) -> tuple[Engine | DataParallelEngine, Tokenizer]:
     """The engine and tokenizer behind `LLM` and the server, from vLLM-named settings. `compilation_cache` may
     be a directory for jax's persistent compilation cache. `overlap_scheduling` dispatches each step before the
@@ -66,6 +69,11 @@ def build_engine(
     `jaxinfer.device.DeviceUnavailableError` when jax initialised another backend.
     `kv_cache_memory` caps the KV pool's bytes per device (an int, or text like "4GiB"); see jaxinfer.cache.sizing
     for the defaults (on CPU: what the scheduler can address, at most 1.5 GiB).
+    A request whose SamplingParams name a `session_id` keeps its pages pinned when it ends, for `session_ttl`
+    seconds, so the conversation's next turn prefills only what is new; all sessions together pin at most
+    `session_cache_pages` pages (default a quarter of the pool; 0 turns sessions off). `host_kv_cache_memory` (bytes
+    or text like "8GiB"; default 1 GiB on GPU/TPU, off on CPU; 0: off) keeps prefix pages the pool gives up in host
+    memory and copies them back on a hit (jaxinfer.cache.host_tier).
     `model` may also be your own nnx.Module following jaxinfer.model.protocol, or `"my_pkg.my_module:build"`
     naming a function that returns one (or (module, tokenizer)); `tokenizer` (a Tokenizer, or a model name or path
     to read one from) is then required, and overrides the model's own otherwise."""
@@ -95,6 +103,9 @@ def build_engine(
         enable_prefix_cache=enable_prefix_caching,
         max_logprobs=max_logprobs,
         kv_cache_dtype=None if kv_cache_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_cache_dtype, cfg.dtype),
+        session_ttl=session_ttl,
+        session_cache_pages=session_cache_pages,
+        host_kv_cache_memory=parse_size(host_kv_cache_memory, "host_kv_cache_memory"),
     )
     eos = tokenizer.eos_token_ids
     if data_parallel_size > 1:
@@ -138,7 +149,7 @@ class LLM:
         kv_cache_dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_kv_tokens,
         gpu_memory_utilization, kv_cache_memory,
         enable_prefix_caching, max_logprobs, seed, tensor_parallel_size, data_parallel_size, attn_impl,
-        compilation_cache, overlap_scheduling."""
+        compilation_cache, overlap_scheduling, session_ttl, session_cache_pages, host_kv_cache_memory."""
         self.model = model
         self.engine, self.tokenizer = build_engine(model, **settings)
         self.processor = OutputProcessor(self.tokenizer)
@@ -256,7 +267,10 @@ class LLM:
         """Frees the weights, the KV pools and the compiled steps. The object cannot generate afterwards."""
         if self.engine is None:
             return
+        self.engine.release_sessions()
         for e in self._replicas():
+            if e.host is not None:
+                e.host.clear()
             for x in jax.tree.leaves((e.runner.params, e.runner.kv)):
                 if isinstance(x, jax.Array) and not x.is_deleted():
                     x.delete()

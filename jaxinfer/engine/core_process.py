@@ -106,6 +106,7 @@ def engine_stats(engine: Any) -> dict:
         "generated_tokens": engine.num_generated_tokens,
         "steps": engine.num_steps,
         "compiles": compile_count(),
+        "cache": engine.cache_stats(),  # sessions and host tier (Engine.cache_stats)
         **timeline_stats(engine),
     }
 
@@ -248,6 +249,7 @@ class EngineCore:
             self.outbox.flush()
             if not engine.has_unfinished():  # idle: wait for a command (retrying the outbox meanwhile)
                 if not self.commands.poll(IDLE_RETRY_MS if self.outbox.pending else 1000):
+                    engine.expire_sessions()  # idle: pinned conversations still time out
                     continue
             changed = self._drain_commands()
             if not self.running:
@@ -281,6 +283,7 @@ class EngineCore:
                 self.engine.finish_sequence(sid, reason, stop_reason)
             elif op == "shutdown":
                 log.info("engine core: shutting down")
+                self.engine.release_sessions()
                 self.running = False
                 return True
             else:

@@ -4,10 +4,9 @@ Lives above the engine so that text work can move to another process than the de
 
 Outputs are deltas: each RequestOutput holds, for each sample that moved, only what is new since that sample's
 previous output (its new text, token ids and logprobs), so that what waits in a stream's queue is bounded by the
-tokens made, never a copy of the whole output per step. A sample's new tokens wait here while their text is held
-back (an unfinished character, a possible stop string) and go out with the text they make: every delta a caller
-sees can be sent as it is. `cumulative_logprob` stays the running total; a request's `prompt_logprobs` come once,
-in its first output. `OutputAccumulator` adds deltas up into the whole output (non-streaming responses, `LLM`).
+tokens made, never a copy of the whole output per step. A delta may hold tokens without text (text held back: an
+unfinished character, a possible stop string); the text comes in a later one. `cumulative_logprob` stays the
+running total; a request's `prompt_logprobs` come once, in its first output. `OutputAccumulator` adds deltas up into the whole output (non-streaming responses, `LLM`).
 """
 
 from __future__ import annotations
@@ -30,13 +29,13 @@ class _Seq:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_finish: bool = False  # the output that said it finished went out
-    # Not sent yet: tokens (and their logprobs) whose text is held back, and text that became final.
+    # Not sent yet: new tokens (and their logprobs), and new text that became final.
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
 
     def has_news(self) -> bool:
-        return bool(self.text) or (self.finish_reason is not None and not self.sent_finish)
+        return bool(self.token_ids) or bool(self.text) or (self.finish_reason is not None and not self.sent_finish)
 
 
 @dataclass

@@ -29,6 +29,7 @@ import kernels_pallas
 from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
 from jaxinfer.engine.exec_cache import ExecutableCache
+from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
 from jaxinfer.model.functional import ModelDef, split_model
@@ -116,7 +117,15 @@ def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: st
 @partial(
     jax.jit,
     static_argnames=(
-        "model_def", "cfg", "layout", "decode_only", "advanced", "num_logprobs", "impl", "mesh", "prompt_logprobs"
+        "model_def",
+        "cfg",
+        "layout",
+        "decode_only",
+        "advanced",
+        "num_logprobs",
+        "impl",
+        "mesh",
+        "prompt_logprobs",
     ),
     donate_argnames=("kv",),
 )
@@ -188,6 +197,13 @@ class CacheConfig:
     max_logprobs: int = 20  # top alternatives computed every step (vLLM's max_logprobs)
     logit_bias_capacity: int = 512  # logit_bias entries per request, min_tokens' stop-id bans included
     kv_cache_dtype: str | None = None  # the KV pool's dtype; None: the model's
+    # Conversations that keep their KV (jaxinfer.cache.sessions): how long a finished turn's pages stay pinned,
+    # and how many pages all sessions may pin together (None: a quarter of the pool; 0: sessions off).
+    session_ttl: float = 300.0
+    session_cache_pages: int | None = None
+    # Host memory for KV pages the pool gives up (jaxinfer.cache.host_tier), bytes per replica; None: 1 GiB on
+    # GPU/TPU, off on CPU (where host and device memory are the same); 0: off.
+    host_kv_cache_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_model_len < 1 or self.max_num_seqs < 1:
@@ -196,6 +212,12 @@ class CacheConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if not self.session_ttl > 0:
+            raise ValueError(f"session_ttl must be > 0 seconds, got {self.session_ttl}")
+        if self.session_cache_pages is not None and self.session_cache_pages < 0:
+            raise ValueError(f"session_cache_pages must be >= 0, got {self.session_cache_pages}")
+        if self.host_kv_cache_memory is not None and self.host_kv_cache_memory < 0:
+            raise ValueError(f"host_kv_cache_memory must be >= 0 bytes, got {self.host_kv_cache_memory}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs a token slot)")
 
@@ -285,6 +307,7 @@ class ModelRunner:
         # Serialized compiled steps (None: off): a warm start skips tracing and lowering. See exec_cache.
         self.exec_cache = ExecutableCache.from_jax_config()
         self._compiled: dict[tuple, Callable] = {}
+        self.copier: PageCopier | None = None  # page copies to and from host memory (enable_page_copies)
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB in all); up to %d sequences of %d tokens. "
             "Chosen: %s",
@@ -309,6 +332,23 @@ class ModelRunner:
                 self.cc.pages_per_seq,
             ),
         )  # fmt: skip
+
+    def enable_page_copies(self) -> None:
+        """Sets up (and `warmup` then compiles) the page gather/scatter programs the host tier uses."""
+        if self.copier is None:
+            self.copier = PageCopier(self.kv, self.num_pages, self.cc.pages_per_seq, self._replicated)
+
+    def gather_pages(self, pages: list[int]) -> list:
+        """Starts copying pages out of the pools (before any later step overwrites them); read with `pages_to_host`."""
+        return self.copier.gather(self.kv, pages)
+
+    @staticmethod
+    def pages_to_host(pieces: list) -> list[np.ndarray]:
+        return PageCopier.to_host(pieces)
+
+    def scatter_pages(self, pages: list[int], blocks: list[np.ndarray]) -> None:
+        """Writes host blocks into pages of the pools, before the next step reads them."""
+        self.kv = self.copier.scatter(self.kv, pages, blocks)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -397,6 +437,8 @@ class ModelRunner:
                     done += 1
                     if progress is not None:  # the launch compiled the bucket before it returned
                         progress(done, total)
+        if self.copier is not None:
+            self.kv = self.copier.warmup(self.kv)
         jax.block_until_ready(out)
         if self.exec_cache is not None:
             ec = self.exec_cache

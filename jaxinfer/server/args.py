@@ -63,6 +63,10 @@ class ServerArgs:
     engine_process: bool = True  # the engine core in its own process (ignored with an injected loader)
     overlap_scheduling: bool = True  # dispatch each step before reading the previous one's tokens
     step_timeline: bool = False  # time every step (device busy / idle, host) for /metrics
+    # Conversations that keep their KV (X-Session-Id or `user`): see jaxinfer.cache.sessions and host_tier.
+    session_ttl: float = 300.0
+    session_cache_pages: int | None = None  # None: a quarter of the pool
+    host_kv_cache_memory: int | None = None  # None: 1 GiB on GPU/TPU, off on CPU
     chat_truncation: str = "off"  # "oldest": drop a chat's oldest turns instead of a 400 when it does not fit
     filters_config: str | None = None  # JSON file of input/output content filters (jaxinfer.server.filters)
 
@@ -92,6 +96,22 @@ def _byte_size(text: str) -> int:
         return int(parse_bytes(text, "--kv-cache-memory"))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _byte_size_or_zero(text: str) -> int:
+    from jaxinfer.cache.sizing import parse_size
+
+    try:
+        return int(parse_size(text, "--host-kv-cache-memory"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -146,6 +166,29 @@ def make_parser() -> argparse.ArgumentParser:
         "address, at most 1.5GiB)",
     )
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV page")
+    sessions = p.add_argument_group(
+        "sessions (a request's X-Session-Id header, else its `user` field, keeps the conversation's KV pages)"
+    )
+    sessions.add_argument(
+        "--session-ttl",
+        type=_positive_float,
+        default=300.0,
+        help="seconds a finished turn's KV pages stay pinned for the session's next turn",
+    )
+    sessions.add_argument(
+        "--session-cache-pages",
+        type=_non_negative_int,
+        default=None,
+        help="most KV pages all sessions pin together; the least recently used go first (default: a quarter of the"
+        " pool; 0: sessions off)",
+    )
+    sessions.add_argument(
+        "--host-kv-cache-memory",
+        type=_byte_size_or_zero,
+        default=None,
+        help="host memory per replica for prefix KV pages the device pool gives up, copied back on a hit instead of"
+        " recomputed, e.g. 8GiB (default: 1GiB on GPU/TPU, off on CPU; 0: off)",
+    )
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--max-logprobs", type=_positive_int, default=20,
                    help="most top alternatives a request may ask for (computed every step)")  # fmt: skip

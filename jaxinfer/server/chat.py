@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -11,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
-from jaxinfer.server.context import ServingContext, request_id
+from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
 from jaxinfer.server.logprobs import chat_logprobs
@@ -52,7 +53,9 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     return apply_template(tokenizer, chat_messages(messages), add_generation_prompt)
 
 
-def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str) -> EngineRequest:
+def _engine_request(
+    ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str, session: str | None
+) -> EngineRequest:
     """Input filters, chat template, tokenization, the context-window rule and validation (on the thread pool: long
     conversations take a while)."""
     convo = chat_messages(req.messages)
@@ -73,6 +76,7 @@ def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid
         text, ids = encode(convo)
         check_fits(len(ids), need, limit, "messages")
     params, renames = chat_params(req, len(ids), limit)
+    params = dataclasses.replace(params, session_id=session)
     try:
         ids = engine.validate(ids, params)
     except ValueError as e:
@@ -87,7 +91,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     reject_unsupported(req)
     check_fanout(req, ctx.args)
     rid, engine_id = request_id(request, "chatcmpl")
-    sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id)
+    sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id, session_id(request, req.user))
     admission = ctx.admit(request, rid, model, [sub], req.stream)
     view = _View(ctx, req, sub, model, rid)
     if req.stream:

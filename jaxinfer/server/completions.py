@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
-from jaxinfer.server.context import ServingContext, request_id
+from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
 from jaxinfer.server.logprobs import completion_logprobs, join_logprobs
@@ -55,9 +55,12 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
     return out
 
 
-def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix: str) -> list[EngineRequest]:
+def _engine_requests(
+    ctx: ServingContext, req: CompletionRequest, engine, prefix: str, session: str | None
+) -> list[EngineRequest]:
     """Tokenizes every prompt, and puts it through the input filters, the context-window rule and validation (on the
-    thread pool: large prompts take a while)."""
+    thread pool: large prompts take a while). A session follows one conversation: with several prompts none of them
+    keeps its pages."""
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be >= 1 (0 only with echo, which returns the scored prompt)", "max_tokens")
     limit = ctx.context_tokens
@@ -73,6 +76,7 @@ def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix
         if len(kept) < len(ids):
             text = None  # echo and the output show the tokens the model saw
         params = completion_params(req, len(kept), limit)
+        params = dataclasses.replace(params, session_id=session if len(prompts) == 1 else None)
         try:
             kept = engine.validate(kept, params)
         except ValueError as e:
@@ -89,7 +93,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     reject_unsupported(req)
     check_fanout(req, ctx.args)
     rid, prefix = request_id(request, "cmpl")
-    subs = await ctx.off_loop(_engine_requests, ctx, req, engine, prefix)
+    subs = await ctx.off_loop(_engine_requests, ctx, req, engine, prefix, session_id(request, req.user))
     admission = ctx.admit(request, rid, model, subs, req.stream)
     view = _View(ctx, req, subs, rid, model)
     if req.stream:

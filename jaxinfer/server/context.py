@@ -28,7 +28,7 @@ from jaxinfer.server.ratelimit import RateLimitCollector, RateLimiter
 from jaxinfer.server.state import ServerState
 from jaxinfer.server.tracing import RequestTracer
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.types import SamplingParams
+from jaxinfer.types import MAX_SESSION_ID_LEN, SamplingParams
 
 T = TypeVar("T")
 
@@ -158,6 +158,21 @@ def new_id(prefix: str) -> str:
 
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def session_id(request: Request, user: str | None) -> str | None:
+    """The conversation whose KV pages the engine keeps between turns: the `X-Session-Id` header, else the
+    request's `user` field (OpenAI's end-user id), else none."""
+    given = request.headers.get("x-session-id")
+    if given is not None:
+        if not _CLIENT_ID.match(given):
+            raise APIError(400, "X-Session-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", "X-Session-Id")
+        return given
+    if not user:
+        return None
+    if len(user) > MAX_SESSION_ID_LEN:
+        raise APIError(400, f"user: at most {MAX_SESSION_ID_LEN} characters (it names the session)", "user")
+    return user
 
 
 def request_id(request: Request, prefix: str) -> tuple[str, str]:

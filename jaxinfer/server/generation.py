@@ -77,8 +77,8 @@ async def run_request(
                         admission.started(index)
                         metrics.first_token(now - arrival, len(req.prompt_ids), out.metrics)
                     else:
-                        # A merged delta (this reader fell behind) or tokens held with their text span several
-                        # steps: the gap is spread over them, one observation each, as if they came one by one.
+                        # A merged delta (this reader fell behind) spans several steps: the gap is spread over
+                        # them, one observation each, as if they had come one by one.
                         steps = max(len(c.token_ids) for c in delta.outputs)
                         for _ in range(steps):
                             metrics.itl.observe((now - last) / steps)

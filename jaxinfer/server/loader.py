@@ -34,7 +34,8 @@ def build_engine(args: ServerArgs) -> tuple[Engine, Tokenizer]:
         enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         compilation_cache=(args.compilation_cache_dir or True) if args.enable_compilation_cache else False,
-        overlap_scheduling=args.overlap_scheduling,
+        overlap_scheduling=args.overlap_scheduling, session_ttl=args.session_ttl,
+        session_cache_pages=args.session_cache_pages, host_kv_cache_memory=args.host_kv_cache_memory,
     )  # fmt: skip
     log.info("model %s loaded in %.1fs", args.model, time.perf_counter() - t0)
     if args.step_timeline:

@@ -23,6 +23,19 @@ _RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
+# Engine.cache_stats() keys -> gauges: sessions (pinned conversations) and the host KV tier.
+_CACHE_GAUGES = (
+    ("sessions", "session_count", "Conversations whose KV pages are pinned for their next turn"),
+    ("session_pinned_pages", "session_pinned_pages", "KV pages pinned by sessions"),
+    ("session_hits", "session_hits", "Requests that started on their session's pinned pages"),
+    ("session_hit_tokens", "session_hit_tokens", "Prompt tokens reused from sessions' pinned pages"),
+    ("host_kv_hits", "host_kv_cache_hits", "KV pages copied back from the host tier instead of recomputed"),
+    ("host_kv_spills", "host_kv_cache_spills", "KV pages copied out to the host tier"),
+    ("host_kv_bytes", "host_kv_cache_bytes", "Bytes of KV pages held in the host tier"),
+    ("host_kv_capacity_bytes", "host_kv_cache_capacity_bytes", "The host tier's byte cap (0: off)"),
+)
+
+
 class _EngineCollector(Collector):
     def __init__(self, state: ServerState):
         self.state = state
@@ -32,10 +45,11 @@ class _EngineCollector(Collector):
         running = waiting = used = total = 0
         hit_rate = 0.0
         timeline: dict = {}
+        cache: dict = {}
         compiles = 0
         if s.engine is not None and hasattr(s.engine, "stats"):  # MPAsyncEngine: what the core last reported
             st = s.engine.stats()
-            compiles = st.compiles
+            compiles, cache = st.compiles, st.cache
             running, waiting, used, total, hit_rate = st.running, st.waiting, st.pages_used, st.pages_total, st.hit_rate
             if st.idle_share is not None:
                 timeline = {"idle_share": st.idle_share, "device_ms": st.device_ms, "host_ms": st.host_ms}
@@ -46,6 +60,7 @@ class _EngineCollector(Collector):
             running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
             used, total = engine.allocator.num_used, engine.allocator.num_pages
             hit_rate = engine.allocator.hit_rate
+            cache = engine.cache_stats()
             timeline = timeline_stats(engine)
             from jaxinfer.engine.core_process import compile_count
 
@@ -67,6 +82,9 @@ class _EngineCollector(Collector):
                     compiles)  # fmt: skip
         yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
                     hit_rate)  # fmt: skip
+        for key, name, doc in _CACHE_GAUGES:
+            if key in cache:
+                yield gauge(name, doc, cache[key])
         if timeline:  # --step-timeline
             yield gauge("device_idle_share", "Device idle between steps / (idle + busy), recent steps",
                         timeline["idle_share"])  # fmt: skip

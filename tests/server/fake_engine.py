@@ -60,6 +60,15 @@ class FakeEngine:
         self.stop_after: int | None = None  # end every sequence with "stop" after this many tokens (as an EOS)
         self.step_delay = 0.0  # seconds each step takes, as a device would
 
+    def cache_stats(self) -> dict[str, float]:
+        return {}  # no sessions, no host tier
+
+    def expire_sessions(self) -> None:
+        pass
+
+    def release_sessions(self) -> None:
+        pass
+
     def validate(self, prompt_ids, params: SamplingParams) -> list[int]:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
