@@ -11,10 +11,11 @@ command queue. The lock guards the streams table only, and nothing slow runs und
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
@@ -27,6 +28,19 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread died; no request can be served."""
+
+
+# Prompts longer than this are validated on a worker thread: checking every id of a 100k-token prompt takes tens
+# of milliseconds, which the event loop's other streams would wait for.
+VALIDATE_ON_LOOP_TOKENS = 2048
+
+
+async def validate_off_loop(validate: Callable[[list[int], SamplingParams], list[int]], prompt_ids: list[int],
+                            params: SamplingParams) -> list[int]:  # fmt: skip
+    """`validate(prompt_ids, params)`, on a worker thread when the prompt is long."""
+    if len(prompt_ids) <= VALIDATE_ON_LOOP_TOKENS:
+        return validate(prompt_ids, params)
+    return await asyncio.to_thread(validate, prompt_ids, params)
 
 
 class AsyncEngine:
@@ -67,7 +81,7 @@ class AsyncEngine:
         SlowReaderError when the caller stopped taking outputs and was cut off."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        ids = self.engine.validate(prompt_ids, params)
+        ids = await validate_off_loop(self.engine.validate, prompt_ids, params)
         stream = StreamQueue(request_id, self.limits, self.abort)
         with self._lock:
             if request_id in self._streams:

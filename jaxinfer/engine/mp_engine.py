@@ -36,7 +36,7 @@ from typing import Any
 
 import zmq
 
-from jaxinfer.engine.async_engine import EngineDeadError  # one error for both fronts
+from jaxinfer.engine.async_engine import EngineDeadError, validate_off_loop  # one error for both fronts
 from jaxinfer.engine.core_process import COMMANDS_HWM, pack, params_to_wire, run_core, unpack, update_from_wire
 from jaxinfer.engine.outbox import RESULTS_HWM
 from jaxinfer.engine.stream_queue import SlowReaderError, StreamLimits, StreamQueue
@@ -207,7 +207,7 @@ class MPAsyncEngine:
         SlowReaderError when the caller stopped taking outputs and was cut off."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        ids = self.validate(prompt_ids, params)
+        ids = await validate_off_loop(self.validate, prompt_ids, params)
         stream = StreamQueue(request_id, self.limits, self._cut)
         with self._lock:
             if self.error is not None:  # checked under the lock: a death after this point reaches this stream

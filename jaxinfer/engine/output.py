@@ -6,7 +6,8 @@ Outputs are deltas: each RequestOutput holds, for each sample that moved, only w
 previous output (its new text, token ids and logprobs), so that what waits in a stream's queue is bounded by the
 tokens made, never a copy of the whole output per step. A delta may hold tokens without text (text held back: an
 unfinished character, a possible stop string); the text comes in a later one. `cumulative_logprob` stays the
-running total; a request's `prompt_logprobs` come once, in its first output. `OutputAccumulator` adds deltas up into the whole output (non-streaming responses, `LLM`).
+running total; a request's `prompt_logprobs` come once, in its first output. `OutputAccumulator` adds deltas up
+into the whole output (the server's handlers, `LLM`).
 """
 
 from __future__ import annotations

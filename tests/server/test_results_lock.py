@@ -69,3 +69,30 @@ def test_a_handler_is_not_stalled_while_the_results_thread_detokenizes(tokenizer
     finally:
         gated.release.set()
         f.close()
+
+
+def test_a_long_prompt_is_validated_off_the_event_loop(tokenizer):
+    """Checking every id of a long prompt takes milliseconds: generate() does it on a worker thread."""
+    from jaxinfer.engine.async_engine import VALIDATE_ON_LOOP_TOKENS
+
+    f = FRONTS["engine-process"](tokenizer, StreamLimits())
+    engine = f.engine
+    threads = []
+    validate = engine.validate
+
+    def recording(prompt_ids, params):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return validate(prompt_ids, params)
+
+    engine.validate = recording
+    try:
+
+        async def main():
+            for n in (8, VALIDATE_ON_LOOP_TOKENS + 1):
+                async for _ in engine.generate([5] * n, SamplingParams(max_tokens=2), f"p{n}"):
+                    pass
+
+        asyncio.run(main())
+        assert threads == [True, False]  # the short one on the loop (no thread hop), the long one off it
+    finally:
+        f.close()
