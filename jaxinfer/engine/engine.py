@@ -23,7 +23,8 @@ from jax.sharding import Mesh
 
 from jaxinfer.cache.pages import PageAllocator
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.runner import CacheConfig, ModelRunner, placeholder
+from jaxinfer.engine.config import CacheConfig
+from jaxinfer.engine.runner import ModelRunner, placeholder
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
@@ -64,7 +65,7 @@ class Engine:
             raise ValueError(f"max_logprobs: {cache.max_logprobs} exceeds the vocabulary size {cfg.vocab_size}")
         self.cfg, self.cc = cfg, cache
         self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh)
-        self.allocator = PageAllocator(self.runner.num_pages, cache.page_size, cache.enable_prefix_cache)
+        self.allocator = PageAllocator(self.runner.num_pages, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.allocator, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len
         )
