@@ -15,6 +15,7 @@ from jaxinfer.server.chat import create_chat_completion
 from jaxinfer.server.completions import create_completion
 from jaxinfer.server.context import ServingContext
 from jaxinfer.server.errors import APIError, install_handlers
+from jaxinfer.server.filters import load_filters
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.state import Loader, ServerState
 from jaxinfer.server.tokenize import detokenize, tokenize
@@ -98,7 +99,8 @@ def build_app(args: ServerArgs, loader: Loader | None = None) -> FastAPI:
     --no-engine-process) on a background thread once the server starts: under `jaxinfer.server.http.serve` once
     it listens, under any other ASGI server at lifespan start-up."""
     state = ServerState(args, loader)
-    ctx = ServingContext(args, state, Metrics(state))
+    filters = load_filters(args.filters_config) if args.filters_config else None
+    ctx = ServingContext(args, state, Metrics(state), filters)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -11,6 +11,7 @@ from jaxinfer.device import DEVICE_ENV, DEVICES, DTYPES, KV_CACHE_DTYPES
 from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineArgs
 
 API_KEY_ENV = "JAXINFER_API_KEY"
+CHAT_TRUNCATION = ("off", "oldest")  # jaxinfer.server.truncation
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class ServerArgs(EngineArgs):
     max_stream_buffer: int = 1024
     tokenizer_threads: int = 4  # tokenization, chat templates and validation off the event loop
     engine_process: bool = True  # the engine core in its own process (ignored with an injected loader)
+    chat_truncation: str = "off"  # "oldest": drop a chat's oldest turns instead of a 400 when it does not fit
+    filters_config: str | None = None  # JSON file of input/output content filters (jaxinfer.server.filters)
 
     @property
     def model_names(self) -> list[str]:
@@ -194,6 +197,15 @@ def make_parser() -> argparse.ArgumentParser:
                       help="outputs that may wait for a stream's client before its request is aborted")  # fmt: skip
     caps.add_argument("--tokenizer-threads", type=_positive_int, default=D.tokenizer_threads,
                       help="threads for tokenization, chat templates and validation (off the event loop)")  # fmt: skip
+    policy = p.add_argument_group("serving policies (docs/guides/serving-policies.md)")
+    policy.add_argument("--chat-truncation", default=D.chat_truncation, choices=CHAT_TRUNCATION,
+                        help="a chat whose prompt plus max_tokens exceeds the context: off answers 400"
+                        " (context_length_exceeded); oldest drops its oldest turns, keeping the system prompt and"
+                        " the last user message, and reports them in usage.truncated_messages")  # fmt: skip
+    policy.add_argument("--filters-config", default=D.filters_config, metavar="PATH",
+                        help="JSON file of content filters run on prompts (a blocked one is a 400, code"
+                        " content_filter) and on generated text (held until it passes; a blocked choice ends with"
+                        " finish_reason content_filter)")  # fmt: skip
     p.add_argument("--log-level", default=D.log_level, choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--coordinator-address", default=D.coordinator_address,
                    help="multi-host: HOST:PORT of process 0 (with --num-processes and --process-id)")  # fmt: skip
@@ -223,4 +235,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         make_parser().error("--max-waiting must be >= 0")
     if not 0 < ns.gpu_memory_utilization <= 1:
         make_parser().error("--gpu-memory-utilization must be in (0, 1]")
+    if ns.filters_config is not None:  # a bad file stops the server before it starts, not at its first request
+        from jaxinfer.server.filters import load_filters
+
+        try:
+            load_filters(ns.filters_config)
+        except ValueError as e:
+            make_parser().error(str(e))
     return ServerArgs(**vars(ns))

@@ -15,14 +15,16 @@ from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request
 from jaxinfer.server.logprobs import chat_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage
-from jaxinfer.server.sampling import chat_params, check_fanout, check_prompt_fits, reject_unsupported
+from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.state import Ticket
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
+from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns, usage_fields
 from jaxinfer.tokenizer import ChatTemplateError, Tokenizer
 from jaxinfer.types import RequestOutput
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them; 400 naming a message that is not text."""
     if not messages:
         raise bad_request("messages must hold at least one message", "messages")
     convo = []
@@ -36,23 +38,46 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
         if m.name is not None:
             msg["name"] = m.name
         convo.append(msg)
+    return convo
+
+
+def apply_template(tokenizer: Tokenizer, convo: list[dict], add_generation_prompt: bool = True) -> str:
     try:
         return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt)
     except (ChatTemplateError, jinja2.TemplateError) as e:
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
 
 
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    return apply_template(tokenizer, chat_messages(messages), add_generation_prompt)
+
+
 def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str) -> EngineRequest:
-    """Chat template, tokenization and validation (on the thread pool: long conversations take a while)."""
-    text = render_chat(ctx.tokenizer, req.messages)
-    ids = ctx.tokenizer.encode(text, add_special_tokens=False)  # the template already wrote BOS where wanted
-    check_prompt_fits(len(ids), ctx.context_tokens, "messages")
-    params, renames = chat_params(req, len(ids), ctx.context_tokens)
+    """Input filters, chat template, tokenization, the context-window rule and validation (on the thread pool: long
+    conversations take a while)."""
+    convo = chat_messages(req.messages)
+    for i, m in enumerate(convo):
+        ctx.check_input(m["content"], f"messages.{i}.content")
+    limit = ctx.context_tokens
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    need = completion_room(asked, limit, "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
+
+    def encode(msgs: list[dict]) -> tuple[str, list[int]]:
+        text = apply_template(ctx.tokenizer, msgs)
+        return text, ctx.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS where wanted
+
+    truncation = None
+    if ctx.args.chat_truncation == "oldest":
+        (text, ids), truncation = drop_oldest_turns(convo, encode, lambda e: len(e[1]), need, limit)
+    else:
+        text, ids = encode(convo)
+        check_fits(len(ids), need, limit, "messages")
+    params, renames = chat_params(req, len(ids), limit)
     try:
         ids = engine.validate(ids, params)
     except ValueError as e:
         raise from_value_error(e, renames) from None
-    return EngineRequest(rid, text, ids, params)
+    return EngineRequest(rid, text, ids, params, truncation, ctx.output_gate(ids, params))
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -94,6 +119,7 @@ class _View:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            **usage_fields([self.sub.truncation]),
         }
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:

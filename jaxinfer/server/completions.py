@@ -15,13 +15,7 @@ from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request
 from jaxinfer.server.logprobs import completion_logprobs, join_logprobs
 from jaxinfer.server.protocol import CompletionRequest
-from jaxinfer.server.sampling import (
-    check_fanout,
-    check_prompt_fits,
-    completion_params,
-    prompt_only,
-    reject_unsupported,
-)
+from jaxinfer.server.sampling import check_fanout, completion_params, prompt_only, reject_unsupported
 from jaxinfer.server.state import Ticket
 from jaxinfer.server.streaming import (
     SSE_DONE,
@@ -32,6 +26,7 @@ from jaxinfer.server.streaming import (
     merge,
     sse,
 )
+from jaxinfer.server.truncation import completion_room, keep_last_tokens, usage_fields
 from jaxinfer.types import RequestOutput
 
 
@@ -61,18 +56,29 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
 
 
 def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix: str) -> list[EngineRequest]:
-    """Tokenizes and validates every prompt (on the thread pool: large prompts take a while)."""
+    """Tokenizes every prompt, and puts it through the input filters, the context-window rule and validation (on the
+    thread pool: large prompts take a while)."""
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be >= 1 (0 only with echo, which returns the scored prompt)", "max_tokens")
+    limit = ctx.context_tokens
+    need = completion_room(1 if prompt_only(req) else req.max_tokens, limit, "max_tokens")
     subs = []
-    for i, (text, ids) in enumerate(_prompts(req, ctx)):
-        check_prompt_fits(len(ids), ctx.context_tokens, "prompt")
-        params = completion_params(req, len(ids), ctx.context_tokens)
+    prompts = _prompts(req, ctx)
+    for i, (text, ids) in enumerate(prompts):
+        # Token-id prompts are checked as the text they decode to: filters cannot be bypassed by sending ids.
+        if ctx.filters is not None:
+            param = f"prompt.{i}" if len(prompts) > 1 else "prompt"
+            ctx.check_input(text if text is not None else ctx.tokenizer.decode(ids), param)
+        kept, truncation = keep_last_tokens(ids, req.truncate_prompt_tokens, need, limit, "prompt")
+        if len(kept) < len(ids):
+            text = None  # echo and the output show the tokens the model saw
+        params = completion_params(req, len(kept), limit)
         try:
-            ids = engine.validate(ids, params)
+            kept = engine.validate(kept, params)
         except ValueError as e:
             raise from_value_error(e) from None
-        subs.append(EngineRequest(f"{prefix}-{i}", text, ids, params))
+        gate = None if prompt_only(req) else ctx.output_gate(kept, params)  # prompt only: no generated text shown
+        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation, gate))
     return subs
 
 
@@ -150,6 +156,7 @@ class _View:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            **usage_fields([s.truncation for s in self.subs]),
         }
 
     def _envelope(self, choices: list[dict]) -> dict:

@@ -16,10 +16,13 @@ from starlette.requests import Request
 
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import APIError
+from jaxinfer.server.filters import Filters
 from jaxinfer.server.logprobs import TokenText
 from jaxinfer.server.metrics import Metrics
+from jaxinfer.server.output_gate import OutputGate
 from jaxinfer.server.state import ServerState
 from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.types import SamplingParams
 
 T = TypeVar("T")
 
@@ -29,9 +32,11 @@ class ServingContext:
     args: ServerArgs
     state: ServerState
     metrics: Metrics
+    filters: Filters | None = None  # --filters-config
     _token_text: TokenText | None = field(default=None, init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     _pool: ThreadPoolExecutor | None = field(default=None, init=False)
+    _filter_pool: ThreadPoolExecutor | None = field(default=None, init=False)
 
     async def off_loop(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Runs CPU work (JSON and model validation of large bodies, chat templates, tokenization) on the thread
@@ -40,9 +45,28 @@ class ServingContext:
             self._pool = ThreadPoolExecutor(self.args.tokenizer_threads, thread_name_prefix="jaxinfer-cpu")
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
+    async def _off_loop_filtering(self, fn: Callable[..., T], *args) -> T:
+        """Output filters on threads of their own: a slow filter delays the choices it checks, not tokenization."""
+        if self._filter_pool is None:
+            self._filter_pool = ThreadPoolExecutor(self.args.tokenizer_threads, thread_name_prefix="jaxinfer-filter")
+        return await asyncio.get_running_loop().run_in_executor(self._filter_pool, functools.partial(fn, *args))
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._filter_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    def check_input(self, text: str, param: str) -> None:
+        """A 400 (code content_filter) when an input filter blocks `text`, one prompt or message."""
+        reason = self.filters.check_input(text) if self.filters is not None else None
+        if reason is not None:
+            raise APIError(400, f"{param} was blocked by a content filter ({reason})", param, "content_filter")
+
+    def output_gate(self, prompt_ids: list[int], params: SamplingParams) -> OutputGate | None:
+        """What holds a request's generated text until the output filters pass it; None without output filters."""
+        if self.filters is None or not self.filters.checks_output:
+            return None
+        return OutputGate(self.filters, self.tokenizer, prompt_ids, params, self._off_loop_filtering)
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.metrics import Metrics
+from jaxinfer.server.output_gate import OutputGate
 from jaxinfer.server.state import ServerState, Ticket
+from jaxinfer.server.truncation import Truncation
 from jaxinfer.types import RequestOutput, SamplingParams
 
 log = logging.getLogger("jaxinfer.server.requests")
@@ -22,6 +24,8 @@ class EngineRequest:
     prompt: str | None  # the prompt text when the client sent text (echo, detokenizer context)
     prompt_ids: list[int]
     params: SamplingParams
+    truncation: Truncation | None = None  # what the context-window rule dropped, when the request asked for it
+    gate: OutputGate | None = None  # the output filters (--filters-config)
 
 
 async def run_request(
@@ -51,9 +55,14 @@ async def run_request(
                         metrics.itl.observe(now - last)
                     metrics.generation_tokens.inc(tokens - num_tokens)
                     num_tokens, last = tokens, now
+                ended = out.finished
+                if req.gate is not None:
+                    out = await req.gate.screen(out)
                 if out.finished:
                     final = out
                 yield out
+                if out.finished and not ended:
+                    return  # content filters ended every choice: leaving aborts the rest in the engine
     except Exception as e:
         if engine.alive or isinstance(e, APIError):
             raise

@@ -84,6 +84,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's extra: BOS & co. where the tokenizer adds them
+    truncate_prompt_tokens: int | None = None  # vLLM's extra: keep the prompt's last N tokens (-1: as many as fit)
     suffix: Any = None
 
 

@@ -6,7 +6,7 @@ SamplingParams validates every value and names the field in its ValueError; that
 from __future__ import annotations
 
 from jaxinfer.server.args import ServerArgs
-from jaxinfer.server.errors import APIError, bad_request, from_value_error
+from jaxinfer.server.errors import bad_request, from_value_error
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from jaxinfer.types import SamplingParams
 
@@ -100,14 +100,3 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int, context: int) -> tu
         max_tokens = max(1, context - prompt_len)
     logprobs = _or(req.top_logprobs, 0) if req.logprobs else None
     return build_params(req, max_tokens, logprobs, renames), renames
-
-
-def check_prompt_fits(prompt_len: int, max_model_len: int, param: str) -> None:
-    if prompt_len >= max_model_len:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} tokens, "
-            "which leaves no room for a completion",
-            param,
-            "context_length_exceeded",
-        )

@@ -1,7 +1,8 @@
 """A stand-in for `jaxinfer.engine.engine.Engine` with the same interface, for lifecycle tests that need control
 the real model cannot give: hold every step, or kill the engine thread on purpose.
 
-It "generates" token ids counting up from the last prompt token, one per step per sequence, and needs no jax.
+It "generates" token ids counting up from the last prompt token (or from `first_token` when set), one per step per
+sequence, with logprob -1.0 for each when asked, and needs no jax.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class FakeEngine:
         self.runner = _Runner()
         self.allocator = _Allocator()
         self.scheduler = _Scheduler()
-        self.seqs: dict[str, list] = {}  # seq id -> [next token, tokens left]
+        self.seqs: dict[str, list] = {}  # seq id -> [next token, tokens left, logprobs asked]
+        self.first_token: int | None = None  # every sequence counts up from here instead (chat prompts all end alike)
+        self.prompts: dict[str, list[int]] = {}  # request id -> the prompt it was given (what the model "saw")
         # While paused the engine thread idles (no step runs, commands such as aborts still do): requests stay
         # waiting for their first token.
         self.paused = False
@@ -61,8 +64,10 @@ class FakeEngine:
 
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str) -> str:
         sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.prompts[request_id] = list(prompt_ids)
         for sid in sids:
-            self.seqs[sid] = [(prompt_ids[-1] + 1) % self.vocab_size, params.max_tokens]
+            start = self.first_token if self.first_token is not None else prompt_ids[-1] + 1
+            self.seqs[sid] = [start % self.vocab_size, params.max_tokens, params.logprobs is not None]
         self.allocator.num_used += len(sids)
         return request_id
 
@@ -90,5 +95,5 @@ class FakeEngine:
             done = seq[1] == 0
             if done:
                 self._drop(sid)
-            updates.append(SeqUpdate(sid, [tok], [], done, "length" if done else None))
+            updates.append(SeqUpdate(sid, [tok], [{tok: -1.0}] if seq[2] else [], done, "length" if done else None))
         return updates
