@@ -69,7 +69,6 @@ def _fill_missing_help(parser: argparse.ArgumentParser) -> None:
 
 def run_server(args: ServerArgs) -> int:
     """What `python serve.py` and `jaxinfer serve` run: the HTTP server, the model loading behind it."""
-    from jaxinfer.engine.build import build_engine
     from jaxinfer.server.app import build_app
     from jaxinfer.server.http import serve
 
@@ -82,6 +81,8 @@ def run_server(args: ServerArgs) -> int:
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
         if not distributed.is_lead():
             # A follower serves no HTTP: it loads its shards and runs every step the lead announces.
+            from jaxinfer.engine.build import build_engine  # not before: jax and orbax load only where needed
+
             engine, _ = build_engine(args)
             distributed.follow(engine.runner)
             return 0

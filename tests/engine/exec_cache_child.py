@@ -32,6 +32,7 @@ def main(cache_dir: str, norm_eps: float) -> None:
         "step_compiles": compile_count() - before,
         "loaded": ec.loaded,
         "compiled": ec.compiled,
+        "not_stored": ec.not_stored,
         "tokens": [o[0].output_token_ids for o in outs],
     }))  # fmt: skip
 
