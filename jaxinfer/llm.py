@@ -12,7 +12,6 @@ model without restarting.
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,7 +94,7 @@ class LLM:
             rid = f"llm-{self._counter}"
             self._counter += 1
             self.engine.add_request(ids, sp, rid)
-            self.processor.add(rid, text, ids, sp, time.monotonic())
+            self.processor.add(rid, text, ids, sp)
             rids.append(rid)
         return self._run(rids, use_tqdm)
 
@@ -149,7 +148,10 @@ class LLM:
         """Frees the weights, the KV pools and the compiled steps. The object cannot generate afterwards."""
         if self.engine is None:
             return
+        self.engine.release_sessions()
         for e in self._replicas():
+            if e.host is not None:
+                e.host.clear()
             for x in jax.tree.leaves((e.runner.params, e.runner.kv)):
                 if isinstance(x, jax.Array) and not x.is_deleted():
                     x.delete()

@@ -15,6 +15,7 @@ def _check(cond: bool, name: str, msg: str) -> None:
 
 # The engine's sampling arrays and the wire to the engine process hold ids and counts as int32.
 INT32_MAX = 2**31 - 1
+MAX_SESSION_ID_LEN = 256
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # number of top alternatives per generated token (0: only the sampled token)
     prompt_logprobs: int | None = None  # same, for every prompt token
+    # A conversation's id: when the request ends (stop or length, n == 1) the engine pins its KV pages for the
+    # session's TTL, so the next turn with the same id prefills only what is new (jaxinfer.cache.sessions).
+    # It never changes the output.
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         def is_int(x: object) -> bool:
@@ -102,6 +107,9 @@ class SamplingParams:
                        f"values must be numbers in [-100, 100], got {v!r}")  # fmt: skip
                 bias[int(key)] = float(v)
             object.__setattr__(self, "logit_bias", bias)
+        if self.session_id is not None:
+            _check(isinstance(self.session_id, str) and 0 < len(self.session_id) <= MAX_SESSION_ID_LEN, "session_id",
+                   f"must be a string of 1 to {MAX_SESSION_ID_LEN} characters")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None:  # the upper bound is the engine's max_logprobs (Engine.validate)
@@ -152,6 +160,12 @@ class Request:
     group: str | None = None  # the n > 1 samples of one prompt share a group, and so the prompt's pages
     block_hashes: list[int] = field(default_factory=list)  # hashes of the leading full pages, as registered
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # Hook for a host KV tier: prompt tokens it restored at admission (None: no host tier). Reported with the
+    # first token (SeqTiming) and shown as jaxinfer:request_host_cache_hit_rate on /metrics.
+    num_host_cached_tokens: int | None = None
+    # (dispatched, done, prompt tokens) of each step that computed part of the prompt, in seconds since
+    # arrival_time: the prefill chunks of the request's trace.
+    prefill_chunks: list[list[float]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -171,6 +185,26 @@ class Request:
 
 
 @dataclass
+class SeqTiming:
+    """How the engine ran one sequence up to its first token, in seconds since the engine received it: offsets,
+    so they mean the same in the API process whatever its clock. Sent once, with the first token."""
+
+    queued_s: float  # until its first step was scheduled
+    first_token_s: float
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+    prefill_chunks: list[list[float]]  # [dispatched_s, done_s, prompt tokens] of each prefill step
+    num_host_cached_tokens: int | None = None  # prompt tokens restored from a host KV tier (None: no tier)
+
+    def to_wire(self) -> list:
+        return [self.queued_s, self.first_token_s, self.num_cached_tokens, self.prefill_chunks,
+                self.num_host_cached_tokens]  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, w: list) -> SeqTiming:
+        return cls(*w)
+
+
+@dataclass
 class SeqUpdate:
     """What one engine step did to one sequence: its new tokens (and their logprobs), and whether it ended."""
 
@@ -182,6 +216,7 @@ class SeqUpdate:
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first token, when asked for
     error: str | None = None  # finish_reason "error": why the engine failed this sequence (the others go on)
+    timing: SeqTiming | None = None  # with the sequence's first token
 
 
 @dataclass
@@ -200,11 +235,17 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """One request's timeline in the clock of the process that reads it (time.monotonic), from its first sample's
+    SeqTiming: arrival (handed to the engine), first scheduled, first token, finished."""
+
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int | None = None  # None: no host KV tier reported any
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (dispatched, done, tokens)
+    detokenize_s: float = 0.0  # time spent turning its tokens into text (and checking stop strings)
 
 
 @dataclass

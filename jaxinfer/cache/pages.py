@@ -37,6 +37,9 @@ class PageAllocator:
         self._refs = [0] * num_pages
         self._page_of: dict[int, int] = {}  # block hash -> page
         self._block_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # page -> (hash, tokens)
+        # Cached blocks whose pages were reused, as (page, hash, tokens), when someone wants them (a host tier
+        # copies them out before the page is overwritten); None: not recorded.
+        self.evicted: list[tuple[int, int, tuple[int, ...]]] | None = None
         # Prefix-cache statistics, in tokens.
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -69,8 +72,10 @@ class PageAllocator:
                 p = self._free.popleft()
             else:
                 p, _ = self._evictable.popitem(last=False)  # least recently released cached block
-                h, _ = self._block_of.pop(p)
+                h, block = self._block_of.pop(p)
                 del self._page_of[h]
+                if self.evicted is not None:
+                    self.evicted.append((p, h, block))
             self._refs[p] = 1
             pages.append(p)
         return pages
@@ -110,17 +115,24 @@ class PageAllocator:
         for j in range(max_blocks):
             block = tuple(tokens[j * ps : (j + 1) * ps])
             h = block_hash(parent, block)
-            p = self._page_of.get(h)
-            if p is None or self._block_of[p][1] != block:
+            p = self.take_cached(h, block)
+            if p is None:
                 break
-            if self._refs[p] == 0:
-                del self._evictable[p]
-            self._refs[p] += 1
             pages.append(p)
             hashes.append(h)
             parent = h
         self.hit_tokens += len(pages) * ps
         return pages, hashes
+
+    def take_cached(self, h: int, block: tuple[int, ...]) -> int | None:
+        """Takes a reference on the page caching `block` under hash `h`, if there is one."""
+        p = self._page_of.get(h)
+        if p is None or self._block_of[p][1] != block:
+            return None
+        if self._refs[p] == 0:
+            del self._evictable[p]
+        self._refs[p] += 1
+        return p
 
     def register(self, page: int, parent: int | None, tokens: Sequence[int]) -> int:
         """Records that `page` holds the full block `tokens` following block `parent`; returns its hash."""

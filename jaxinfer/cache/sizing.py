@@ -46,6 +46,13 @@ def parse_bytes(value: int | float | str | None, name: str = "kv_cache_memory") 
     return int(n)
 
 
+def parse_size(value: int | float | str | None, name: str) -> int | None:
+    """As `parse_bytes`, but 0 (or "0") is allowed: it turns the thing off."""
+    if value is not None and not isinstance(value, bool) and str(value).strip() in ("0", "0.0"):
+        return 0
+    return parse_bytes(value, name)
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:

@@ -102,6 +102,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # only the engine thread touches the engine while it runs
+            self.engine.release_sessions()
         followers = getattr(getattr(self.engine, "runner", None), "followers", None)
         if followers is not None:  # multi-host: release the follower processes
             followers.stop()
@@ -145,6 +147,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not self.engine.has_unfinished():
+                    self.engine.expire_sessions()  # idle: pinned conversations still time out
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue

@@ -9,7 +9,7 @@ import time
 import jax
 from flax import nnx
 
-from jaxinfer.cache.sizing import parse_bytes
+from jaxinfer.cache.sizing import parse_bytes, parse_size
 from jaxinfer.device import check_device, resolve_kv_cache_dtype
 from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineArgs
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
@@ -79,6 +79,9 @@ def cache_config(args: EngineArgs, cfg) -> CacheConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,
         kv_cache_dtype=None if kv_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_dtype, cfg.dtype),
+        session_ttl=args.session_ttl,
+        session_cache_pages=args.session_cache_pages,
+        host_kv_cache_memory=parse_size(args.host_kv_cache_memory, "host_kv_cache_memory"),
     )
 
 

@@ -29,6 +29,13 @@ class CacheConfig:
     max_logprobs: int = 20  # top alternatives computed every step
     logit_bias_capacity: int = 512  # logit_bias entries per request, min_tokens' stop-id bans included
     kv_cache_dtype: str | None = None  # the KV pool's dtype; None: the model's
+    # Conversations that keep their KV (jaxinfer.cache.sessions): how long a finished turn's pages stay pinned,
+    # and how many pages all sessions may pin together (None: a quarter of the pool; 0: sessions off).
+    session_ttl: float = 300.0
+    session_cache_pages: int | None = None
+    # Host memory for KV pages the pool gives up (jaxinfer.cache.host_tier), bytes per replica; None: 1 GiB on
+    # GPU/TPU, off on CPU (where host and device memory are the same); 0: off.
+    host_kv_cache_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_model_len < 1 or self.max_num_seqs < 1:
@@ -37,6 +44,12 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if not self.session_ttl > 0:
+            raise ValueError(f"session_ttl must be > 0 seconds, got {self.session_ttl}")
+        if self.session_cache_pages is not None and self.session_cache_pages < 0:
+            raise ValueError(f"session_cache_pages must be >= 0, got {self.session_cache_pages}")
+        if self.host_kv_cache_memory is not None and self.host_kv_cache_memory < 0:
+            raise ValueError(f"host_kv_cache_memory must be >= 0 bytes, got {self.host_kv_cache_memory}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs a token slot)")
 
@@ -80,6 +93,14 @@ class EngineArgs:
     compilation_cache_dir: str | None = None  # None: $JAXINFER_COMPILE_CACHE or ~/.cache/jaxinfer/xla
     overlap_scheduling: bool = True  # dispatch each step before the previous one's tokens are read on the host
     step_timeline: bool = False  # timestamp every step (device busy/idle, host time) for /metrics
+    # A request whose SamplingParams name a `session_id` keeps its pages pinned when it ends, for `session_ttl`
+    # seconds, so the conversation's next turn prefills only what is new; all sessions together pin at most
+    # `session_cache_pages` pages (None: a quarter of the pool; 0 turns sessions off).
+    session_ttl: float = CacheConfig.session_ttl
+    session_cache_pages: int | None = CacheConfig.session_cache_pages
+    # Prefix pages the pool gives up are kept in host memory and copied back on a hit (jaxinfer.cache.host_tier):
+    # bytes per replica, or text like "8GiB"; None: 1 GiB on GPU/TPU, off on CPU; 0: off.
+    host_kv_cache_memory: int | str | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

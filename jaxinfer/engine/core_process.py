@@ -10,7 +10,8 @@ fork-safe) and binds two ipc:// sockets in a temporary directory; the core conne
                                                {"t": "err", "rid", "error"} | {"t": "dead", "type", "error"}
 
 Every message is one msgpack frame. An update is [seq_id, new_token_ids, new_logprobs, finished, finish_reason,
-stop_reason, prompt_logprobs, error] (a `SeqUpdate`: only what the step added, never the whole output again);
+stop_reason, prompt_logprobs, error, timing] (a `SeqUpdate`: only what the step added, never the whole output
+again; timing, a `SeqTiming` as a list, only with the first token);
 stats are the gauges and counters /metrics shows. "ready" also
 carries what the API side needs without the model: the limits `Engine.validate` checks and the tokenizer (pickled
 bytes inside that one frame; everything else is plain data).
@@ -40,7 +41,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from jaxinfer.types import SamplingParams, SeqUpdate
+from jaxinfer.types import SamplingParams, SeqTiming, SeqUpdate
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,13 @@ def params_from_wire(d: dict) -> SamplingParams:
 
 def update_to_wire(u: SeqUpdate) -> list:
     return [u.request_id, u.new_token_ids, u.new_logprobs, u.finished, u.finish_reason, u.stop_reason,
-            u.prompt_logprobs, u.error]  # fmt: skip
+            u.prompt_logprobs, u.error, u.timing.to_wire() if u.timing is not None else None]  # fmt: skip
 
 
 def update_from_wire(w: list) -> SeqUpdate:
-    rid, toks, lps, finished, reason, stop_reason, prompt_lps, error = w
-    return SeqUpdate(rid, toks, lps or [], finished, reason, stop_reason, prompt_lps, error)
+    rid, toks, lps, finished, reason, stop_reason, prompt_lps, error, timing = w
+    return SeqUpdate(rid, toks, lps or [], finished, reason, stop_reason, prompt_lps, error,
+                     SeqTiming.from_wire(timing) if timing is not None else None)  # fmt: skip
 
 
 def engine_stats(engine: Any) -> dict:
@@ -92,6 +94,7 @@ def engine_stats(engine: Any) -> dict:
         "generated_tokens": engine.num_generated_tokens,
         "steps": engine.num_steps,
         "compiles": compile_count(),
+        "cache": engine.cache_stats(),  # sessions and host tier (Engine.cache_stats)
         **timeline_stats(engine),
     }
 
@@ -231,7 +234,8 @@ class EngineCore:
         engine = self.engine
         while self.running:
             if not engine.has_unfinished() and not self.commands.poll(1000):
-                continue  # idle: wait for a command
+                engine.expire_sessions()  # idle: pinned conversations still time out
+                continue  # and wait for a command
             changed = self._drain_commands()
             if not self.running:
                 return
@@ -266,6 +270,7 @@ class EngineCore:
                 self.engine.finish_sequence(sid, reason, stop_reason)
             elif op == "shutdown":
                 log.info("engine core: shutting down")
+                self.engine.release_sessions()
                 self.running = False
                 return True
             else:

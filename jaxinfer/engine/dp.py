@@ -3,16 +3,20 @@
 Small models then use every chip: each replica holds a full copy of the weights (sharded over its own `model`
 devices) and its own KV pool and scheduler. A request goes to the replica with the least outstanding work and
 stays there. A step dispatches every replica's work before waiting for any, so the devices run concurrently.
+A request naming a session goes to the replica that holds the session's pinned pages, when that replica can take
+it. Each replica has its own host tier, with an equal share of `host_kv_cache_memory`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxinfer.cache.host_tier import host_tier_bytes
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
@@ -45,6 +49,9 @@ class DataParallelEngine:
     ):
         """`params` must be placed on the first replica's mesh (`replica_meshes(mesh)[0]`)."""
         meshes = replica_meshes(mesh)
+        cache = cache or CacheConfig()
+        host = host_tier_bytes(cache.host_kv_cache_memory, jax.default_backend())
+        cache = dataclasses.replace(cache, host_kv_cache_memory=host // len(meshes))
         self.replicas = [
             Engine(
                 cfg,
@@ -94,7 +101,9 @@ class DataParallelEngine:
         if rid in self._owner:
             raise ValueError(f"request_id {rid!r} is already in use")
         fits, prompt = self._fitting(prompt_token_ids, params)
-        engine = min(fits, key=self._load)  # the least loaded replica that can hold it
+        sid = params.session_id
+        home = [e for e in fits if sid is not None and sid in e.sessions]
+        engine = home[0] if home else min(fits, key=self._load)  # the session's replica, else the least loaded
         engine.add_request(prompt, params, rid)
         self._owner[rid] = engine
         return rid
@@ -122,6 +131,21 @@ class DataParallelEngine:
         for rid in [r for r in self._owner if r not in live]:
             del self._owner[rid]
         return updates
+
+    def cache_stats(self) -> dict[str, float]:
+        """Each replica's counters summed (the hit rate over all replicas' lookups)."""
+        stats = [e.cache_stats() for e in self.replicas]
+        out = {k: sum(s[k] for s in stats) for k in stats[0]}
+        out["prefix_cache_hit_rate"] = self.allocator.hit_rate
+        return out
+
+    def expire_sessions(self) -> None:
+        for e in self.replicas:
+            e.expire_sessions()
+
+    def release_sessions(self) -> None:
+        for e in self.replicas:
+            e.release_sessions()
 
     @property
     def allocator(self) -> _PoolView:

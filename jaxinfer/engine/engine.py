@@ -19,17 +19,20 @@ import time
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
+from jaxinfer.cache.host_tier import HostTier, host_tier_bytes
 from jaxinfer.cache.pages import PageAllocator
+from jaxinfer.cache.sessions import SessionStore
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.runner import ModelRunner, placeholder
-from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.scheduler import Evicted, Load, Scheduler
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
 from jaxinfer.step import SeqChunk
-from jaxinfer.types import Request, SamplingParams, SeqUpdate, Status
+from jaxinfer.types import Request, SamplingParams, SeqTiming, SeqUpdate, Status
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +69,15 @@ class Engine:
         self.cfg, self.cc = cfg, cache
         self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh)
         self.allocator = PageAllocator(self.runner.num_pages, cache.block_size, cache.enable_prefix_caching)
+        pin_cap = cache.session_cache_pages if cache.session_cache_pages is not None else self.runner.num_pages // 4
+        self.sessions = SessionStore(self.allocator, min(pin_cap, self.runner.num_pages), cache.session_ttl)
+        self.host = self._host_tier(cache)
         self.scheduler = Scheduler(
-            self.allocator, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len
-        )
+            self.allocator, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len,
+            sessions=self.sessions, host=self.host,
+        )  # fmt: skip
+        self._spills: list[tuple[list, list[Evicted]]] = []  # page copies on their way to the host tier
+        self._spilling: set[int] = set()  # their block hashes
         self.eos_token_ids = tuple(eos_token_ids)
         self.seqs: dict[str, Request] = {}  # live sequences by sequence id
         self.groups: dict[str, list[str]] = {}  # request id -> its sequence ids (n of them)
@@ -82,6 +91,82 @@ class Engine:
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+
+    def _host_tier(self, cache: CacheConfig) -> HostTier | None:
+        """The host tier, when it has memory, the prefix cache is on (it stores prefix-cache blocks) and one
+        process drives the mesh (its copies are not broadcast to followers)."""
+        nbytes = host_tier_bytes(cache.host_kv_cache_memory, jax.default_backend())
+        if nbytes == 0 or not cache.enable_prefix_caching or jax.process_count() > 1:
+            return None
+        k = self.runner.kv[0][0]
+        block_bytes = 2 * len(self.runner.kv) * k.shape[1] * k.shape[2] * k.shape[3] * k.dtype.itemsize
+        host = HostTier(nbytes, block_bytes)
+        if not host.enabled:
+            return None
+        self.runner.enable_page_copies()
+        log.info("host KV tier: %d pages (%.1f MiB)", host.max_blocks, host.capacity_bytes / 2**20)
+        return host
+
+    # ------------------------------------------------------------------------------------------ sessions and tiers
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix cache, pinned sessions and host tier counters (metrics, tests, benchmarks)."""
+        s, h = self.sessions, self.host
+        return {
+            "prefix_cache_hit_rate": self.allocator.hit_rate,
+            "sessions": len(s),
+            "session_hits": s.hits,
+            "session_hit_tokens": s.hit_tokens,
+            "session_pinned_pages": s.pinned_pages,
+            "host_kv_hits": h.hits if h else 0,
+            "host_kv_hit_tokens": self.scheduler.host_hit_tokens,
+            "host_kv_spills": h.spills if h else 0,
+            "host_kv_bytes": h.used_bytes if h else 0,
+            "host_kv_capacity_bytes": h.capacity_bytes if h else 0,
+        }
+
+    def expire_sessions(self) -> None:
+        """Releases sessions past their TTL (the schedule does it too; an idle loop calls this)."""
+        self.scheduler.expire_sessions()
+
+    def release_sessions(self) -> None:
+        """Releases every pinned session (shutdown): their pages go back to the pool."""
+        self.sessions.release_all()
+
+    def _move_kv(self) -> None:
+        """Turns the scheduler's evictions and host hits into page copies, before the step is dispatched: cached
+        blocks about to be overwritten go out to the host tier (unless it holds them already), host hits come in.
+        A load whose page was evicted again before landing is dropped (the host tier still has its block)."""
+        events = self.scheduler.take_kv_events()
+        if not events:
+            return
+        loads: dict[int, Load] = {}
+        spills: list[Evicted] = []
+        for ev in events:
+            if isinstance(ev, Load):
+                loads[ev.page] = ev
+                continue
+            pending = loads.get(ev.page)
+            if pending is not None and pending.block_hash == ev.block_hash:
+                del loads[ev.page]  # never landed: the page holds something else
+                continue
+            if ev.block_hash in self.host or ev.block_hash in self._spilling:
+                continue
+            spills.append(ev)
+            self._spilling.add(ev.block_hash)
+        if spills:  # first: a page spilled and loaded in one schedule is read before it is written
+            self._spills.append((self.runner.gather_pages([e.page for e in spills]), spills))
+        if loads:
+            self.runner.scatter_pages(list(loads), [np.asarray(ld.kv) for ld in loads.values()])
+
+    def _store_spills(self) -> None:
+        """Moves finished page copies into the host tier (their device copies were dispatched before the step
+        just collected, so they are done or nearly)."""
+        for pieces, evicted in self._spills:
+            for ev, block in zip(evicted, self.runner.pages_to_host(pieces), strict=True):
+                self.host.put(ev.block_hash, ev.tokens, block)
+        self._spills.clear()
+        self._spilling.clear()
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -261,6 +346,8 @@ class Engine:
         device fills in for any step that uses it before the host knows it."""
         host_start = time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.host is not None:
+            self._move_kv()
         if not batch:
             return None
         now = time.monotonic()
@@ -291,7 +378,11 @@ class Engine:
         for i, s in enumerate(batch):
             r = s.req
             n_prompt = len(r.prompt_token_ids)
-            self.num_prefilled_tokens += max(0, min(r.num_computed + s.num_new, n_prompt) - r.num_computed)
+            prompt_tokens = max(0, min(r.num_computed + s.num_new, n_prompt) - r.num_computed)
+            self.num_prefilled_tokens += prompt_tokens
+            if prompt_tokens and r.first_token_time is None:  # a prefill chunk (a recompute after preemption: not)
+                s.prefill_chunk = [now - r.arrival_time, -1.0, prompt_tokens]
+                r.prefill_chunks.append(s.prefill_chunk)
             r.num_computed += s.num_new  # the next step may be scheduled before this one's results are read
             if s.samples:
                 s.out_index = len(r.output_token_ids)
@@ -300,6 +391,8 @@ class Engine:
 
     def finish_step(self, started: tuple | None) -> list[SeqUpdate]:
         """Collects a dispatched step's tokens and updates every sequence it ran (and reports failed ones)."""
+        if self._spills:
+            self._store_spills()
         if started is None:
             return self._take_failed()
         batch, chunks, pending = started
@@ -315,6 +408,8 @@ class Engine:
         for i, (s, chunk) in enumerate(zip(batch, chunks, strict=True)):
             req = s.req
             start, off = off, off + len(chunk.token_ids)
+            if s.prefill_chunk is not None:  # with overlap, read after the next step was dispatched
+                s.prefill_chunk[1] = now - req.arrival_time
             if req.status is Status.FINISHED:  # ended (stop string, abort, eos) while this step was in flight
                 continue
             try:
@@ -352,6 +447,11 @@ class Engine:
             self.seqs.pop(req.request_id, None)
             self._forget_group(req)
         update = SeqUpdate(req.request_id, [tok], lp, reason is not None, reason, stop_reason)
+        if s.out_index == 0:
+            update.timing = SeqTiming(
+                (req.first_scheduled_time or now) - req.arrival_time, now - req.arrival_time, req.num_cached_tokens,
+                req.prefill_chunks, req.num_host_cached_tokens,
+            )  # fmt: skip
         if req.params.prompt_logprobs is not None and s.out_index == 0:
             update.prompt_logprobs = req.prompt_logprobs
         return update

@@ -6,11 +6,12 @@ Lives above the engine so that text work can move to another process than the de
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, SeqUpdate
+from jaxinfer.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, SeqTiming, SeqUpdate
 
 
 @dataclass
@@ -31,9 +32,12 @@ class _Req:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: dict[str, _Seq]
-    arrival_time: float
+    arrival_time: float  # when it was handed to the engine (time.monotonic)
     prompt_logprobs: list | None = None
     error: str | None = None  # the engine failed it (finish_reason "error")
+    timing: SeqTiming | None = None  # the first sample's to reach its first token
+    detokenize_s: float = 0.0
+    finished_time: float | None = None
 
 
 class OutputProcessor:
@@ -42,8 +46,8 @@ class OutputProcessor:
         self._reqs: dict[str, _Req] = {}
         self._seq_owner: dict[str, str] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-            arrival_time: float = 0.0) -> None:  # fmt: skip
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Called as the request is handed to the engine: its arrival time, which the engine's offsets count from."""
         sids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         seqs = {}
         for i, sid in enumerate(sids):
@@ -55,7 +59,7 @@ class OutputProcessor:
             )  # fmt: skip
             seqs[sid] = _Seq(i, detok)
             self._seq_owner[sid] = request_id
-        self._reqs[request_id] = _Req(request_id, prompt, prompt_ids, params, seqs, arrival_time)
+        self._reqs[request_id] = _Req(request_id, prompt, prompt_ids, params, seqs, time.monotonic())
 
     def forget(self, request_id: str) -> None:
         req = self._reqs.pop(request_id, None)
@@ -80,6 +84,9 @@ class OutputProcessor:
                 continue
             if u.prompt_logprobs is not None and req.prompt_logprobs is None:
                 req.prompt_logprobs = u.prompt_logprobs
+            if u.timing is not None and req.timing is None:
+                req.timing = u.timing
+            t0 = time.perf_counter()
             for tok, lp in zip(u.new_token_ids, u.new_logprobs or [None] * len(u.new_token_ids), strict=True):
                 if len(seq.token_ids) == req.params.min_tokens > 0:
                     seq.detok.arm_stop(req.params.stop)
@@ -95,6 +102,7 @@ class OutputProcessor:
             elif u.finished and seq.finish_reason is None:
                 seq.detok.flush()
                 seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
+            req.detokenize_s += time.perf_counter() - t0
         outs = [self._output(req) for req in touched.values()]
         for out in outs:
             if out.finished:
@@ -127,5 +135,17 @@ class OutputProcessor:
             for s in req.seqs.values()
         ]
         finished = all(o.finish_reason is not None for o in outs)
+        if finished and req.finished_time is None:
+            req.finished_time = time.monotonic()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs, finished,
-                             RequestMetrics(req.arrival_time, None, None, None), req.error)  # fmt: skip
+                             self._metrics(req), req.error)  # fmt: skip
+
+    @staticmethod
+    def _metrics(req: _Req) -> RequestMetrics:
+        """The engine's offsets placed on this process's clock, from the arrival recorded in `add`."""
+        t, a = req.timing, req.arrival_time
+        if t is None:
+            return RequestMetrics(a, None, None, req.finished_time, detokenize_s=req.detokenize_s)
+        chunks = [(a + start, a + done, int(tokens)) for start, done, tokens in t.prefill_chunks]
+        return RequestMetrics(a, a + t.queued_s, a + t.first_token_s, req.finished_time, t.num_cached_tokens,
+                              t.num_host_cached_tokens, chunks, req.detokenize_s)  # fmt: skip

@@ -29,6 +29,7 @@ from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
 from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.exec_cache import ExecutableCache
+from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
 from jaxinfer.model.functional import ModelDef, split_model
@@ -116,7 +117,15 @@ def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: st
 @partial(
     jax.jit,
     static_argnames=(
-        "model_def", "cfg", "layout", "decode_only", "advanced", "num_logprobs", "impl", "mesh", "prompt_logprobs"
+        "model_def",
+        "cfg",
+        "layout",
+        "decode_only",
+        "advanced",
+        "num_logprobs",
+        "impl",
+        "mesh",
+        "prompt_logprobs",
     ),
     donate_argnames=("kv",),
 )
@@ -256,6 +265,7 @@ class ModelRunner:
         # Serialized compiled steps (None: off): a warm start skips tracing and lowering. See exec_cache.
         self.exec_cache = ExecutableCache.from_jax_config()
         self._compiled: dict[tuple, Callable] = {}
+        self.copier: PageCopier | None = None  # page copies to and from host memory (enable_page_copies)
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB in all); up to %d sequences of %d tokens. "
             "Chosen: %s",
@@ -280,6 +290,23 @@ class ModelRunner:
                 self.cc.pages_per_seq,
             ),
         )  # fmt: skip
+
+    def enable_page_copies(self) -> None:
+        """Sets up (and `warmup` then compiles) the page gather/scatter programs the host tier uses."""
+        if self.copier is None:
+            self.copier = PageCopier(self.kv, self.num_pages, self.cc.pages_per_seq, self._replicated)
+
+    def gather_pages(self, pages: list[int]) -> list:
+        """Starts copying pages out of the pools (before any later step overwrites them); read with `pages_to_host`."""
+        return self.copier.gather(self.kv, pages)
+
+    @staticmethod
+    def pages_to_host(pieces: list) -> list[np.ndarray]:
+        return PageCopier.to_host(pieces)
+
+    def scatter_pages(self, pages: list[int], blocks: list[np.ndarray]) -> None:
+        """Writes host blocks into pages of the pools, before the next step reads them."""
+        self.kv = self.copier.scatter(self.kv, pages, blocks)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -368,6 +395,8 @@ class ModelRunner:
                     done += 1
                     if progress is not None:  # the launch compiled the bucket before it returned
                         progress(done, total)
+        if self.copier is not None:
+            self.kv = self.copier.warmup(self.kv)
         jax.block_until_ready(out)
         if self.exec_cache is not None:
             ec = self.exec_cache

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,6 +20,7 @@ from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.state import Loader, ServerState
 from jaxinfer.server.tokenize import detokenize, tokenize
 from jaxinfer.server.tokenizer_info import router as tokenizer_info_router
+from jaxinfer.server.tracing import RequestTracer, otlp_tracer_provider
 
 
 def _context(request: Request) -> ServingContext:
@@ -27,14 +28,15 @@ def _context(request: Request) -> ServingContext:
 
 
 def _require_api_key(request: Request) -> None:
-    key = _context(request).args.api_key
-    if not key:
+    """The key (`Authorization: Bearer KEY`) goes on request.state.api_key for the limits and the logs."""
+    keys = _context(request).keys
+    if not keys.enabled:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    # compare_digest: the time taken must not tell how much of a guessed key was right.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    key = keys.lookup(token.strip()) if scheme.lower() == "bearer" else None  # constant time: see KeyRing
+    if key is None:
         raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`", code="invalid_api_key")
+    request.state.api_key = key
 
 
 def _open_routes() -> APIRouter:
@@ -94,13 +96,23 @@ def _api_routes() -> APIRouter:
     return router
 
 
-def build_app(args: ServerArgs, loader: Loader | None = None) -> FastAPI:
+def build_app(args: ServerArgs, loader: Loader | None = None, tracer_provider: Any = None) -> FastAPI:
     """The app. The model loads (`loader`, in this process; default: the real engine, in its own process unless
     --no-engine-process) on a background thread once the server starts: under `jaxinfer.server.http.serve` once
-    it listens, under any other ASGI server at lifespan start-up."""
+    it listens, under any other ASGI server at lifespan start-up. Raises KeyFileError for a bad --api-keys-file.
+    tracer_provider: an OpenTelemetry TracerProvider for request traces (default: --otlp-traces-endpoint's)."""
     state = ServerState(args, loader)
-    filters = load_filters(args.filters_config) if args.filters_config else None
-    ctx = ServingContext(args, state, Metrics(state), filters)
+    if tracer_provider is None and args.otlp_traces_endpoint:
+        tracer_provider = otlp_tracer_provider(args.otlp_traces_endpoint)
+    ctx = ServingContext(
+        args, state, Metrics(state),
+        filters=load_filters(args.filters_config) if args.filters_config else None,
+        tracer=RequestTracer(tracer_provider) if tracer_provider is not None else None,
+    )  # fmt: skip
+
+    def on_error(request: Request, exc: APIError) -> None:
+        ctx.metrics.http_errors.labels(str(exc.status)).inc()
+        ctx.refused(request, exc.status, exc.code)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -112,7 +124,7 @@ def build_app(args: ServerArgs, loader: Loader | None = None) -> FastAPI:
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
-    install_handlers(app, on_error=lambda status: ctx.metrics.http_errors.labels(str(status)).inc())
+    install_handlers(app, on_error=on_error)
     app.include_router(_open_routes())
     app.include_router(_api_routes())
     app.include_router(tokenizer_info_router(), dependencies=[Depends(_require_api_key)])

@@ -22,6 +22,10 @@ class ServerArgs(EngineArgs):
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_keys_file: str | None = None  # JSON Lines of keys with limits (jaxinfer.server.keys), reloaded on SIGHUP
+    access_log: bool = True
+    access_log_file: str | None = None
+    otlp_traces_endpoint: str | None = None
     max_waiting: int | None = None
     log_level: str = "info"
     coordinator_address: str | None = None
@@ -72,6 +76,22 @@ def _byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _byte_size_or_zero(text: str) -> int:
+    from jaxinfer.cache.sizing import parse_size
+
+    try:
+        return int(parse_size(text, "--host-kv-cache-memory"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The flags of EngineArgs (what `LLM(...)` takes), with its defaults: shared by `serve` and `generate`."""
     D = EngineArgs
@@ -119,6 +139,29 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "address, at most 1.5GiB)",
     )
     p.add_argument("--block-size", type=_positive_int, default=D.block_size, help="tokens per KV page")
+    sessions = p.add_argument_group(
+        "sessions (a request's X-Session-Id header, else its `user` field, keeps the conversation's KV pages)"
+    )
+    sessions.add_argument(
+        "--session-ttl",
+        type=_positive_float,
+        default=D.session_ttl,
+        help="seconds a finished turn's KV pages stay pinned for the session's next turn",
+    )
+    sessions.add_argument(
+        "--session-cache-pages",
+        type=_non_negative_int,
+        default=D.session_cache_pages,
+        help="most KV pages all sessions pin together; the least recently used go first (default: a quarter of the"
+        " pool; 0: sessions off)",
+    )
+    sessions.add_argument(
+        "--host-kv-cache-memory",
+        type=_byte_size_or_zero,
+        default=D.host_kv_cache_memory,
+        help="host memory per replica for prefix KV pages the device pool gives up, copied back on a hit instead of"
+        " recomputed, e.g. 8GiB (default: 1GiB on GPU/TPU, off on CPU; 0: off)",
+    )
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--max-logprobs", type=_positive_int, default=D.max_logprobs,
                    help="most top alternatives a request may ask for (computed every step)")  # fmt: skip
@@ -174,6 +217,28 @@ def make_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or D.api_key,
         help=f"require `Authorization: Bearer KEY` on /v1 and /(de)tokenize (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=D.api_keys_file,
+        help='JSON Lines file of API keys, one {"id", "key", "rpm", "tpm", "max_concurrent"} object a line'
+        " (limits optional: requests/tokens per minute, requests in flight; over one: 429); read again on SIGHUP."
+        " Works beside --api-key (id `default`, no limits)",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=D.access_log,
+        help="one JSON line per request on the `jaxinfer.access` logger (id, key id, tokens, queue time, TTFT,"
+        " end-to-end time, finish reasons); --no-access-log: none",
+    )
+    p.add_argument("--access-log-file", default=D.access_log_file,
+                   help="write the access log's JSON lines to this file instead of stderr")  # fmt: skip
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=D.otlp_traces_endpoint,
+        help="send OpenTelemetry traces of every request (queue, prefill chunks, decode, detokenize) to this OTLP"
+        " endpoint (gRPC; $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP); needs jaxinfer[otel]",
     )
     p.add_argument(
         "--max-waiting",
@@ -235,6 +300,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         make_parser().error("--max-waiting must be >= 0")
     if not 0 < ns.gpu_memory_utilization <= 1:
         make_parser().error("--gpu-memory-utilization must be in (0, 1]")
+    if ns.api_keys_file is not None:  # a bad file stops the start, before the model loads
+        from jaxinfer.server.keys import KeyFileError, KeyRing
+
+        try:
+            KeyRing(ns.api_key, ns.api_keys_file)
+        except KeyFileError as e:
+            make_parser().error(f"--api-keys-file: {e}")
     if ns.filters_config is not None:  # a bad file stops the server before it starts, not at its first request
         from jaxinfer.server.filters import load_filters
 

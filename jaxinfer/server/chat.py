@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -9,16 +10,16 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
-from jaxinfer.server.context import ServingContext, request_id
+from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
-from jaxinfer.server.generation import EngineRequest, final_output, run_request
+from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
 from jaxinfer.server.logprobs import chat_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage
 from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
-from jaxinfer.server.state import Ticket
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
-from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns, usage_fields
+from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns
 from jaxinfer.tokenizer import ChatTemplateError, Tokenizer
 from jaxinfer.types import RequestOutput
 
@@ -52,7 +53,9 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     return apply_template(tokenizer, chat_messages(messages), add_generation_prompt)
 
 
-def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str) -> EngineRequest:
+def _engine_request(
+    ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str, session: str | None
+) -> EngineRequest:
     """Input filters, chat template, tokenization, the context-window rule and validation (on the thread pool: long
     conversations take a while)."""
     convo = chat_messages(req.messages)
@@ -73,6 +76,7 @@ def _engine_request(ctx: ServingContext, req: ChatCompletionRequest, engine, rid
         text, ids = encode(convo)
         check_fits(len(ids), need, limit, "messages")
     params, renames = chat_params(req, len(ids), limit)
+    params = dataclasses.replace(params, session_id=session)
     try:
         ids = engine.validate(ids, params)
     except ValueError as e:
@@ -87,18 +91,19 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     reject_unsupported(req)
     check_fanout(req, ctx.args)
     rid, engine_id = request_id(request, "chatcmpl")
-    sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id)
-    ticket = ctx.state.admit(1, req.n)
+    sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id, session_id(request, req.user))
+    admission = ctx.admit(request, rid, model, [sub], req.stream)
     view = _View(ctx, req, sub, model, rid)
     if req.stream:
-        return TrackedStream(view.stream(ticket), ticket.release)
+        return TrackedStream(view.stream(admission), admission.release, admission.headers())
     try:
-        final = await cancel_on_disconnect(request, final_output(ctx.state, ctx.metrics, sub, ticket, 0))
+        final = await cancel_on_disconnect(request, final_output(ctx.state, ctx.metrics, sub, admission, 0))
     except ClientDisconnected:
+        admission.failed(499, "client_disconnected")
         return Response(status_code=499)
     finally:
-        ticket.release()
-    return JSONResponse(view.response(final))
+        admission.release()
+    return JSONResponse(view.response(final), headers=admission.headers())
 
 
 class _View:
@@ -113,14 +118,8 @@ class _View:
             return None
         return chat_logprobs(token_ids, entries or [], self.req.top_logprobs or 0, self.ctx.token_text)
 
-    def _usage(self, completion_tokens: int) -> dict:
-        prompt_tokens = len(self.sub.prompt_ids)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            **usage_fields([self.sub.truncation]),
-        }
+    def _usage(self, completion_tokens: int, out: RequestOutput | None) -> dict:
+        return usage([self.sub], completion_tokens, [out])
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
@@ -138,10 +137,10 @@ class _View:
             for c in final.outputs
         ]
         body = self._envelope("chat.completion", choices)
-        body["usage"] = self._usage(sum(len(c.token_ids) for c in final.outputs))
+        body["usage"] = self._usage(sum(len(c.token_ids) for c in final.outputs), final)
         return body
 
-    async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
+    async def stream(self, admission: Admission) -> AsyncIterator[str]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         n = self.req.n
         sent_chars, sent_tokens = [0] * n, [0] * n
@@ -158,7 +157,9 @@ class _View:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])  # fmt: skip
         try:
-            async for _, out in merge([run_request(self.ctx.state, self.ctx.metrics, self.sub, ticket, 0)]):
+            last = None
+            async for _, out in merge([run_request(self.ctx.state, self.ctx.metrics, self.sub, admission, 0)]):
+                last = out
                 for c in out.outputs:
                     i = c.index
                     if finished[i]:
@@ -178,7 +179,7 @@ class _View:
                     yield chunk([choice])
             if include_usage:
                 body = self._envelope("chat.completion.chunk", [])
-                body["usage"] = self._usage(sum(sent_tokens))
+                body["usage"] = self._usage(sum(sent_tokens), last)
                 yield sse(body)
         except APIError as e:  # the engine died mid-stream: the status line is sent already, so say it in-band
             yield sse(e.body())

@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
-from jaxinfer.server.context import ServingContext, request_id
+from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
-from jaxinfer.server.generation import EngineRequest, final_output, run_request
+from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
 from jaxinfer.server.logprobs import completion_logprobs, join_logprobs
 from jaxinfer.server.protocol import CompletionRequest
 from jaxinfer.server.sampling import check_fanout, completion_params, prompt_only, reject_unsupported
-from jaxinfer.server.state import Ticket
 from jaxinfer.server.streaming import (
     SSE_DONE,
     ClientDisconnected,
@@ -26,7 +26,7 @@ from jaxinfer.server.streaming import (
     merge,
     sse,
 )
-from jaxinfer.server.truncation import completion_room, keep_last_tokens, usage_fields
+from jaxinfer.server.truncation import completion_room, keep_last_tokens
 from jaxinfer.types import RequestOutput
 
 
@@ -55,9 +55,12 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
     return out
 
 
-def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix: str) -> list[EngineRequest]:
+def _engine_requests(
+    ctx: ServingContext, req: CompletionRequest, engine, prefix: str, session: str | None
+) -> list[EngineRequest]:
     """Tokenizes every prompt, and puts it through the input filters, the context-window rule and validation (on the
-    thread pool: large prompts take a while)."""
+    thread pool: large prompts take a while). A session follows one conversation: with several prompts none of them
+    keeps its pages."""
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be >= 1 (0 only with echo, which returns the scored prompt)", "max_tokens")
     limit = ctx.context_tokens
@@ -73,6 +76,7 @@ def _engine_requests(ctx: ServingContext, req: CompletionRequest, engine, prefix
         if len(kept) < len(ids):
             text = None  # echo and the output show the tokens the model saw
         params = completion_params(req, len(kept), limit)
+        params = dataclasses.replace(params, session_id=session if len(prompts) == 1 else None)
         try:
             kept = engine.validate(kept, params)
         except ValueError as e:
@@ -89,20 +93,21 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     reject_unsupported(req)
     check_fanout(req, ctx.args)
     rid, prefix = request_id(request, "cmpl")
-    subs = await ctx.off_loop(_engine_requests, ctx, req, engine, prefix)
-    ticket = ctx.state.admit(len(subs), req.n)
+    subs = await ctx.off_loop(_engine_requests, ctx, req, engine, prefix, session_id(request, req.user))
+    admission = ctx.admit(request, rid, model, subs, req.stream)
     view = _View(ctx, req, subs, rid, model)
     if req.stream:
-        return TrackedStream(view.stream(ticket), ticket.release)
+        return TrackedStream(view.stream(admission), admission.release, admission.headers())
     try:
         finals = await cancel_on_disconnect(
-            request, gather_all([final_output(ctx.state, ctx.metrics, s, ticket, i) for i, s in enumerate(subs)])
+            request, gather_all([final_output(ctx.state, ctx.metrics, s, admission, i) for i, s in enumerate(subs)])
         )
     except ClientDisconnected:
+        admission.failed(499, "client_disconnected")
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
     finally:
-        ticket.release()
-    return JSONResponse(view.response(finals))
+        admission.release()
+    return JSONResponse(view.response(finals), headers=admission.headers())
 
 
 class _View:
@@ -150,14 +155,8 @@ class _View:
         prompt = self._logprobs(ids, scored, base - len(self._echo(sub)))
         return join_logprobs(prompt, gen)
 
-    def _usage(self, completion_tokens: int) -> dict:
-        prompt_tokens = sum(len(s.prompt_ids) for s in self.subs)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            **usage_fields([s.truncation for s in self.subs]),
-        }
+    def _usage(self, completion_tokens: int, outs: list[RequestOutput | None]) -> dict:
+        return usage(self.subs, completion_tokens, outs)
 
     def _envelope(self, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
@@ -177,19 +176,20 @@ class _View:
                     "stop_reason": c.stop_reason,
                 })  # fmt: skip
         body = self._envelope(choices)
-        body["usage"] = self._usage(sum(len(c.token_ids) for out in finals for c in out.outputs))
+        body["usage"] = self._usage(sum(len(c.token_ids) for out in finals for c in out.outputs), finals)
         return body
 
-    async def stream(self, ticket: Ticket) -> AsyncIterator[str]:
+    async def stream(self, admission: Admission) -> AsyncIterator[str]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         sent_chars: dict[int, int] = {}  # choice index -> characters of its text already sent (echo excluded)
         sent_tokens: dict[int, int] = {}
         out_chars: dict[int, int] = {}  # characters sent including the echo: base of text_offset
         finished: set[int] = set()
-        streams = [run_request(self.ctx.state, self.ctx.metrics, s, ticket, i) for i, s in enumerate(self.subs)]
+        streams = [run_request(self.ctx.state, self.ctx.metrics, s, admission, i) for i, s in enumerate(self.subs)]
+        last: list[RequestOutput | None] = [None] * len(self.subs)
         try:
             async for i, out in merge(streams):
-                out = self._visible(out)
+                last[i] = out = self._visible(out)
                 for c in out.outputs:
                     idx = i * self.n + c.index
                     if idx in finished:
@@ -222,7 +222,7 @@ class _View:
                     yield sse(chunk)
             if include_usage:
                 chunk = self._envelope([])
-                chunk["usage"] = self._usage(sum(sent_tokens.values()))
+                chunk["usage"] = self._usage(sum(sent_tokens.values()), last)
                 yield sse(chunk)
         except APIError as e:  # the engine died mid-stream: the status line is sent already, so say it in-band
             yield sse(e.body())

@@ -14,15 +14,21 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from jaxinfer.server.access_log import AccessLog
+from jaxinfer.server.admission import Admission, PromptRecord, RequestRecord
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.filters import Filters
+from jaxinfer.server.generation import EngineRequest
+from jaxinfer.server.keys import APIKey, KeyRing
 from jaxinfer.server.logprobs import TokenText
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.output_gate import OutputGate
+from jaxinfer.server.ratelimit import RateLimitCollector, RateLimiter
 from jaxinfer.server.state import ServerState
+from jaxinfer.server.tracing import RequestTracer
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.types import SamplingParams
+from jaxinfer.types import MAX_SESSION_ID_LEN, SamplingParams
 
 T = TypeVar("T")
 
@@ -33,10 +39,21 @@ class ServingContext:
     state: ServerState
     metrics: Metrics
     filters: Filters | None = None  # --filters-config
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint
+    # From the flags: the API keys (--api-key, --api-keys-file), their limits, the access log.
+    keys: KeyRing = field(init=False)
+    limiter: RateLimiter = field(init=False)
+    access_log: AccessLog = field(init=False)
     _token_text: TokenText | None = field(default=None, init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     _pool: ThreadPoolExecutor | None = field(default=None, init=False)
     _filter_pool: ThreadPoolExecutor | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.keys = KeyRing(self.args.api_key, self.args.api_keys_file)
+        self.limiter = RateLimiter(self.keys.keys())
+        self.metrics.registry.register(RateLimitCollector(self.limiter))
+        self.access_log = AccessLog(self.args.access_log, self.args.access_log_file)
 
     async def off_loop(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Runs CPU work (JSON and model validation of large bodies, chat templates, tokenization) on the thread
@@ -55,6 +72,48 @@ class ServingContext:
         for pool in (self._pool, self._filter_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        self.access_log.close()
+        if self.tracer is not None:
+            self.tracer.close()
+
+    def reload_keys(self) -> None:
+        """SIGHUP: the keys file again (a bad one keeps the keys in use); limits apply from the next request."""
+        if self.keys.reload():
+            self.limiter.sync(self.keys.keys())
+
+    def admit(
+        self, request: Request, request_id: str, model: str, subs: list[EngineRequest], stream: bool
+    ) -> Admission:
+        """Admits the request's engine requests (n samples each), or raises 429/503 having taken nothing: the key's
+        limits first (a request, a slot, prompt + max_tokens x n tokens), then the server's queue bound."""
+        key: APIKey | None = getattr(request.state, "api_key", None)
+        n = subs[0].params.n
+        tokens = sum(len(s.prompt_ids) + s.params.max_tokens * s.params.n for s in subs)
+        reservation = self.limiter.reserve(key, tokens)
+        try:
+            ticket = self.state.admit(len(subs), n)
+        except BaseException:
+            reservation.cancel()
+            raise
+        record = RequestRecord(request_id, request.url.path, reservation.key_id, model, stream, time.monotonic(),
+                               request.headers.get("traceparent"),
+                               [PromptRecord(len(s.prompt_ids), s.params.n) for s in subs])  # fmt: skip
+        admission = Admission(ticket, reservation, record, self._ended)
+        request.state.admission = admission
+        return admission
+
+    def _ended(self, rec: RequestRecord) -> None:
+        self.access_log.request(rec)
+        if self.tracer is not None:
+            self.tracer.record(rec)
+
+    def refused(self, request: Request, status: int, code: str | None) -> None:
+        """An error response: in the access log, unless the request was admitted (its own line says how it ended)."""
+        if getattr(request.state, "admission", None) is not None:
+            return
+        key: APIKey | None = getattr(request.state, "api_key", None)
+        self.access_log.refused(request.headers.get("x-request-id"), key.id if key else None, request.url.path,
+                                status, code)  # fmt: skip
 
     def check_input(self, text: str, param: str) -> None:
         """A 400 (code content_filter) when an input filter blocks `text`, one prompt or message."""
@@ -99,6 +158,21 @@ def new_id(prefix: str) -> str:
 
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def session_id(request: Request, user: str | None) -> str | None:
+    """The conversation whose KV pages the engine keeps between turns: the `X-Session-Id` header, else the
+    request's `user` field (OpenAI's end-user id), else none."""
+    given = request.headers.get("x-session-id")
+    if given is not None:
+        if not _CLIENT_ID.match(given):
+            raise APIError(400, "X-Session-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", "X-Session-Id")
+        return given
+    if not user:
+        return None
+    if len(user) > MAX_SESSION_ID_LEN:
+        raise APIError(400, f"user: at most {MAX_SESSION_ID_LEN} characters (it names the session)", "user")
+    return user
 
 
 def request_id(request: Request, prefix: str) -> tuple[str, str]:

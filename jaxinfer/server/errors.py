@@ -25,17 +25,23 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 err_type: str | None = None, headers: dict[str, str] | None = None):  # fmt: skip
+        """err_type: the `type` field when not the status's usual one (OpenAI's rate limits say "requests" or
+        "tokens"); headers: sent with the error (Retry-After, x-ratelimit-*)."""
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.err_type, self.headers = err_type, dict(headers or {})
 
     def body(self) -> dict:
-        err_type = _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_error")
+        err_type = self.err_type or _TYPES.get(
+            self.status, "invalid_request_error" if self.status < 500 else "internal_error"
+        )
         return {"error": {"message": self.message, "type": err_type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer", **self.headers} if self.status == 401 else self.headers
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -58,11 +64,12 @@ def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> AP
 
 
 def install_handlers(app: FastAPI, on_error=None) -> None:
-    """Every error leaves as OpenAI's shape: our own, routing's (404/405) and unexpected ones (500)."""
+    """Every error leaves as OpenAI's shape: our own, routing's (404/405) and unexpected ones (500).
+    `on_error(request, error)` sees each (metrics, the access log)."""
 
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         if on_error is not None:
-            on_error(exc.status)
+            on_error(request, exc)
         return exc.response()
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

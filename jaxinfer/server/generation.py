@@ -1,21 +1,23 @@
-"""One engine request as the handlers see it: the AsyncEngine stream plus metrics, counters and the request log."""
+"""One engine request as the handlers see it: the AsyncEngine stream plus metrics, and what it reports to its
+request's `Admission` (counters, the access log and trace record)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.output_gate import OutputGate
-from jaxinfer.server.state import ServerState, Ticket
-from jaxinfer.server.truncation import Truncation
+from jaxinfer.server.state import ServerState
+from jaxinfer.server.truncation import Truncation, usage_fields
 from jaxinfer.types import RequestOutput, SamplingParams
 
-log = logging.getLogger("jaxinfer.server.requests")
+if TYPE_CHECKING:
+    from jaxinfer.server.admission import Admission
 
 
 @dataclass
@@ -28,8 +30,22 @@ class EngineRequest:
     gate: OutputGate | None = None  # the output filters (--filters-config)
 
 
+def usage(subs: list[EngineRequest], completion_tokens: int, outs: list[RequestOutput | None]) -> dict:
+    """OpenAI's usage object for these engine requests. cached_tokens: the prompt tokens found in the prefix cache,
+    as the engine reported them with each request's first token; what truncation dropped, when it was asked for."""
+    prompt_tokens = sum(len(s.prompt_ids) for s in subs)
+    cached = sum(o.metrics.num_cached_tokens for o in outs if o is not None and o.metrics is not None)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        **usage_fields([s.truncation for s in subs]),
+    }
+
+
 async def run_request(
-    state: ServerState, metrics: Metrics, req: EngineRequest, ticket: Ticket, index: int
+    state: ServerState, metrics: Metrics, req: EngineRequest, admission: Admission, index: int
 ) -> AsyncIterator[RequestOutput]:
     """Streams the request's cumulative outputs. Closing the iterator early aborts the request in the engine."""
     # Not require_ready(): a request admitted before a SIGTERM still runs to its end while the server drains.
@@ -43,14 +59,14 @@ async def run_request(
             async for out in outputs:
                 if out.error is not None:  # this request failed in the engine; the others go on
                     final = out
+                    admission.output(index, out)
                     raise APIError(500, f"the request failed in the engine: {out.error}", code="engine_error")
                 now = time.monotonic()
                 tokens = sum(len(c.token_ids) for c in out.outputs)
                 if tokens > num_tokens:
                     if num_tokens == 0:
-                        ticket.started(index)
-                        metrics.ttft.observe(now - arrival)
-                        metrics.prompt_tokens.inc(len(req.prompt_ids))
+                        admission.started(index)
+                        metrics.first_token(now - arrival, len(req.prompt_ids), out.metrics)
                     else:
                         metrics.itl.observe(now - last)
                     metrics.generation_tokens.inc(tokens - num_tokens)
@@ -58,32 +74,33 @@ async def run_request(
                 ended = out.finished
                 if req.gate is not None:
                     out = await req.gate.screen(out)
+                admission.output(index, out)
                 if out.finished:
                     final = out
                 yield out
                 if out.finished and not ended:
                     return  # content filters ended every choice: leaving aborts the rest in the engine
     except Exception as e:
-        if engine.alive or isinstance(e, APIError):
+        if isinstance(e, APIError):
+            admission.failed(e.status, e.code)
+            raise
+        if engine.alive:
+            admission.failed(500, type(e).__name__)
             raise
         # AsyncEngine raises its EngineDeadError to every waiting caller when its thread dies.
+        admission.failed(503, "engine_dead")
         raise APIError(503, f"the engine stopped: {e}", code="engine_dead") from e
     finally:
-        latency = time.monotonic() - arrival
-        metrics.e2e.observe(latency)
+        metrics.e2e.observe(time.monotonic() - arrival)
         reasons = [c.finish_reason or "abort" for c in final.outputs] if final else ["abort"] * req.params.n
         for reason in reasons:
             metrics.request_success.labels(reason).inc()
-        log.info(
-            "%s: prompt_tokens=%d completion_tokens=%d latency=%.3fs finish_reason=%s",
-            req.request_id, len(req.prompt_ids), num_tokens, latency, ",".join(reasons),
-        )  # fmt: skip
 
 
-async def final_output(state: ServerState, metrics: Metrics, req: EngineRequest, ticket: Ticket, index: int):
+async def final_output(state: ServerState, metrics: Metrics, req: EngineRequest, admission: Admission, index: int):
     """The request's last (finished) output."""
     last = None
-    async with aclosing(run_request(state, metrics, req, ticket, index)) as outputs:
+    async with aclosing(run_request(state, metrics, req, admission, index)) as outputs:
         async for out in outputs:
             last = out
     if last is None or not last.finished:

@@ -1,4 +1,4 @@
-"""Runs the app under uvicorn, with a draining shutdown on SIGTERM/SIGINT:
+"""Runs the app under uvicorn, with a draining shutdown on SIGTERM/SIGINT (SIGHUP reloads the API keys file):
 
 1. stop admitting: /health and new requests answer 503 while the listener stays open (load balancers see the
    server going away instead of refused connections);
@@ -13,12 +13,15 @@ supervisor to restart it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -36,9 +39,13 @@ _DEAD_ENGINE_LINGER_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float,
+                 on_hangup: Callable[[], None] | None = None):  # fmt: skip
+        """on_hangup: run on the event loop at each SIGHUP (reloading the API keys), when serving from the main
+        thread (only there can a signal be caught)."""
         super().__init__(config)
         self.state = state
+        self.on_hangup = on_hangup
         self.drain_timeout = drain_timeout
         self._drain_deadline: float | None = None
         self.load_failed = False
@@ -49,6 +56,8 @@ class DrainingServer(uvicorn.Server):
         state.load_on_lifespan = False  # loaded from startup() instead, once the sockets listen
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_hangup is not None and threading.current_thread() is threading.main_thread():
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.on_hangup)
         await super().startup(sockets)
         if self.started:
             self.state.start_loading()
@@ -91,7 +100,8 @@ class DrainingServer(uvicorn.Server):
 
 def serve(app: FastAPI, args: ServerArgs) -> int:
     """Serves until SIGTERM/SIGINT; returns the process exit code (1 when the model failed to load)."""
-    state: ServerState = app.state.ctx.state
+    ctx = app.state.ctx
+    state: ServerState = ctx.state
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -99,7 +109,7 @@ def serve(app: FastAPI, args: ServerArgs) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=_CANCEL_AFTER_S,
     )
-    server = DrainingServer(config, state, args.graceful_shutdown_timeout)
+    server = DrainingServer(config, state, args.graceful_shutdown_timeout, on_hangup=ctx.reload_keys)
     server.run()
     if server.load_failed or state.phase is Phase.FAILED:
         log.error("exiting: %s", state.error)

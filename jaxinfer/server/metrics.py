@@ -15,10 +15,25 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from jaxinfer.server.state import Phase, ServerState
+from jaxinfer.types import RequestMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                     80.0, 160.0)  # fmt: skip
+_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+# Engine.cache_stats() keys -> gauges: sessions (pinned conversations) and the host KV tier.
+_CACHE_GAUGES = (
+    ("sessions", "session_count", "Conversations whose KV pages are pinned for their next turn"),
+    ("session_pinned_pages", "session_pinned_pages", "KV pages pinned by sessions"),
+    ("session_hits", "session_hits", "Requests that started on their session's pinned pages"),
+    ("session_hit_tokens", "session_hit_tokens", "Prompt tokens reused from sessions' pinned pages"),
+    ("host_kv_hits", "host_kv_cache_hits", "KV pages copied back from the host tier instead of recomputed"),
+    ("host_kv_spills", "host_kv_cache_spills", "KV pages copied out to the host tier"),
+    ("host_kv_bytes", "host_kv_cache_bytes", "Bytes of KV pages held in the host tier"),
+    ("host_kv_capacity_bytes", "host_kv_cache_capacity_bytes", "The host tier's byte cap (0: off)"),
+)
 
 
 class _EngineCollector(Collector):
@@ -30,10 +45,11 @@ class _EngineCollector(Collector):
         running = waiting = used = total = 0
         hit_rate = 0.0
         timeline: dict = {}
+        cache: dict = {}
         compiles = 0
         if s.engine is not None and hasattr(s.engine, "stats"):  # MPAsyncEngine: what the core last reported
             st = s.engine.stats()
-            compiles = st.compiles
+            compiles, cache = st.compiles, st.cache
             running, waiting, used, total, hit_rate = st.running, st.waiting, st.pages_used, st.pages_total, st.hit_rate
             if st.idle_share is not None:
                 timeline = {"idle_share": st.idle_share, "device_ms": st.device_ms, "host_ms": st.host_ms}
@@ -44,6 +60,7 @@ class _EngineCollector(Collector):
             running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
             used, total = engine.allocator.num_used, engine.allocator.num_pages
             hit_rate = engine.allocator.hit_rate
+            cache = engine.cache_stats()
             timeline = timeline_stats(engine)
             from jaxinfer.engine.core_process import compile_count
 
@@ -65,6 +82,9 @@ class _EngineCollector(Collector):
                     compiles)  # fmt: skip
         yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
                     hit_rate)  # fmt: skip
+        for key, name, doc in _CACHE_GAUGES:
+            if key in cache:
+                yield gauge(name, doc, cache[key])
         if timeline:  # --step-timeline
             yield gauge("device_idle_share", "Device idle between steps / (idle + busy), recent steps",
                         timeline["idle_share"])  # fmt: skip
@@ -94,6 +114,28 @@ class Metrics:
                              buckets=_ITL_BUCKETS, registry=r)  # fmt: skip
         self.e2e = Histogram("jaxinfer:e2e_request_latency_seconds", "Arrival to last output",
                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.queue_time = Histogram("jaxinfer:request_queue_time_seconds", "Handed to the engine to its first step",
+                                    buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.prefix_hit_rate = Histogram(
+            "jaxinfer:request_prefix_cache_hit_rate", "Per request: prompt tokens found in the prefix cache / prompt "
+            "tokens", buckets=_RATE_BUCKETS, registry=r,
+        )  # fmt: skip
+        # Observed for requests whose engine has a host KV tier (it sets Request.num_host_cached_tokens).
+        self.host_hit_rate = Histogram(
+            "jaxinfer:request_host_cache_hit_rate", "Per request: prompt tokens restored from the host KV tier / "
+            "prompt tokens", buckets=_RATE_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def first_token(self, ttft: float, prompt_tokens: int, timeline: RequestMetrics | None) -> None:
+        """An engine request's first token: its TTFT, and what the engine reported of its prompt's path."""
+        self.ttft.observe(ttft)
+        self.prompt_tokens.inc(prompt_tokens)
+        if timeline is None or timeline.first_scheduled_time is None:
+            return
+        self.queue_time.observe(max(0.0, timeline.first_scheduled_time - timeline.arrival_time))
+        self.prefix_hit_rate.observe(timeline.num_cached_tokens / prompt_tokens)
+        if timeline.num_host_cached_tokens is not None:
+            self.host_hit_rate.observe(timeline.num_host_cached_tokens / prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -55,7 +55,7 @@ class SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted for compatibility: it has no effect on the output
+    user: str | None = None  # names the session whose KV is kept between turns (without X-Session-Id); same output
     # vLLM's extras.
     top_k: int | None = None
     min_p: float | None = None

@@ -32,8 +32,11 @@ def sse(obj: dict) -> str:
 class TrackedStream(StreamingResponse):
     """A text/event-stream response that always closes its generator and then runs `on_close` (counters)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str] | None = None
+    ):
+        headers = {"Cache-Control": "no-cache", **(headers or {})}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

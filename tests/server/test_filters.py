@@ -259,6 +259,7 @@ def test_engine_process_path():
     request ends early with content_filter and the core frees its sequences."""
     from jaxinfer import SamplingParams
     from jaxinfer.engine.mp_engine import MPAsyncEngine
+    from jaxinfer.server.admission import Admission, PromptRecord, RequestRecord
     from jaxinfer.server.args import ServerArgs
     from jaxinfer.server.context import ServingContext
     from jaxinfer.server.generation import EngineRequest, run_request
@@ -279,7 +280,10 @@ def test_engine_process_path():
         async def main():
             params = SamplingParams(max_tokens=400, n=2)
             req = EngineRequest("mp", None, BLOCKED_PROMPT, params, gate=ctx.output_gate(BLOCKED_PROMPT, params))
-            outs = [o async for o in run_request(state, ctx.metrics, req, state.admit(1, 2), 0)]
+            record = RequestRecord("mp", "/v1/completions", None, "fake", False, time.monotonic(), None,
+                                   [PromptRecord(len(BLOCKED_PROMPT), 2)])  # fmt: skip
+            admission = Admission(state.admit(1, 2), ctx.limiter.reserve(None, 0), record, ctx.access_log.request)
+            outs = [o async for o in run_request(state, ctx.metrics, req, admission, 0)]
             assert outs[-1].finished and len(outs) < 20
             assert [(c.text, c.finish_reason) for c in outs[-1].outputs] == [(full[: full.index(PHRASE)],
                                                                                "content_filter")] * 2  # fmt: skip

@@ -24,7 +24,8 @@ BODY = {"prompt": "Hello there", "max_tokens": 4}
 
 
 class InProcessServer:
-    def __init__(self, tokenizer, load_gate: threading.Event | None = None, fail_load: bool = False, **kw):
+    def __init__(self, tokenizer, load_gate: threading.Event | None = None, fail_load: bool = False,
+                 tracer_provider=None, **kw):  # fmt: skip
         self.engine = FakeEngine(tokenizer.vocab_size)
         self.load_gate = load_gate
 
@@ -36,7 +37,7 @@ class InProcessServer:
             return self.engine, tokenizer
 
         self.args = ServerArgs(model="fake", port=free_port(), **kw)
-        self.app = build_app(self.args, loader)
+        self.app = build_app(self.args, loader, tracer_provider)
         self.state = self.app.state.ctx.state
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.args.port, log_level="warning",
                                 timeout_graceful_shutdown=1)  # fmt: skip

@@ -107,7 +107,7 @@ def test_oldest_reports_nothing_dropped_when_it_fits(servers, tokenizer):
     assert usage["prompt_tokens"] == _prompt_len(tokenizer, _conversation(2))
     # Without the policy usage has OpenAI's fields only.
     r = servers["off"].http.post("/v1/chat/completions", json={"messages": _conversation(2), "max_tokens": 4})
-    assert set(r.json()["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert set(r.json()["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
 
 
 def test_oldest_never_drops_the_last_user_message(servers):

@@ -1,0 +1,103 @@
+"""Copies of whole KV pages between the device pools and host memory, for the host tier (jaxinfer.cache.host_tier).
+
+Two compiled programs, each in a few sizes (powers of two up to a request's pages) so that serving never compiles:
+- gather: pages -> one device array [layers, 2 (k, v), n, page_size, Hkv, Dh], moved to the host afterwards;
+- scatter: host blocks -> pages, written into the donated pools in place (padding rows target an index past the
+  pool, which `mode="drop"` ignores).
+The device runs them in the order they are dispatched with the steps: a gather dispatched before a step reads the
+page as it was before that step overwrites it, and a scatter lands before the step that reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KVPools = list[tuple[jax.Array, jax.Array]]
+
+
+def copy_buckets(max_pages: int) -> list[int]:
+    """Batch sizes the copies are padded to: 1, 2, 4, ... up to the first power of two >= max_pages."""
+    sizes = [1]
+    while sizes[-1] < max_pages:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def _gather(kv: KVPools, idx: jax.Array) -> jax.Array:
+    return jnp.stack([jnp.stack([k[idx], v[idx]]) for k, v in kv])
+
+
+def _scatter(kv: KVPools, idx: jax.Array, data: jax.Array) -> KVPools:
+    return [(k.at[idx].set(data[i, 0].astype(k.dtype), mode="drop"),
+             v.at[idx].set(data[i, 1].astype(v.dtype), mode="drop")) for i, (k, v) in enumerate(kv)]  # fmt: skip
+
+
+class PageCopier:
+    """The gather and scatter programs for one runner's pools; `warmup` compiles every size."""
+
+    def __init__(self, kv: KVPools, num_pages: int, max_pages: int, replicated):
+        self.num_pages = num_pages
+        self.buckets = copy_buckets(max(1, min(max_pages, num_pages)))
+        self._replicated = replicated
+        shardings = [(k.sharding, v.sharding) for k, v in kv]
+        self._gather = jax.jit(_gather)
+        self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=shardings)
+        k = kv[0][0]
+        self.block_shape = (len(kv), 2, *k.shape[1:])  # one page on the host: [layers, 2, page, Hkv, Dh]
+        self.dtype = k.dtype
+
+    def _chunks(self, n: int) -> list[tuple[int, int, int]]:
+        """(start, stop, bucket) pieces covering n pages, each at most the largest bucket."""
+        out, start, top = [], 0, self.buckets[-1]
+        while start < n:
+            stop = min(n, start + top)
+            out.append((start, stop, next(b for b in self.buckets if b >= stop - start)))
+            start = stop
+        return out
+
+    def gather(self, kv: KVPools, pages: Sequence[int]) -> list[tuple[jax.Array, int]]:
+        """Starts copying `pages` out; returns (device array, rows used) pieces, whose host copies are under way.
+        Read them with `to_host`."""
+        out = []
+        for start, stop, b in self._chunks(len(pages)):
+            idx = np.zeros(b, np.int32)
+            idx[: stop - start] = pages[start:stop]
+            arr = self._gather(kv, jax.device_put(idx, self._replicated))
+            arr.copy_to_host_async()
+            out.append((arr, stop - start))
+        return out
+
+    @staticmethod
+    def to_host(pieces: list[tuple[jax.Array, int]]) -> list[np.ndarray]:
+        """One host block [layers, 2, page, Hkv, Dh] per gathered page, in order."""
+        blocks = []
+        for arr, n in pieces:
+            host = np.asarray(arr)
+            blocks += [np.ascontiguousarray(host[:, :, i]) for i in range(n)]
+        return blocks
+
+    def scatter(self, kv: KVPools, pages: Sequence[int], blocks: Sequence[np.ndarray]) -> KVPools:
+        """Writes host blocks into `pages` of the (donated) pools; returns the new pools."""
+        for start, stop, b in self._chunks(len(pages)):
+            kv = self._scatter_padded(kv, pages[start:stop], blocks[start:stop], b)
+        return kv
+
+    def _scatter_padded(self, kv: KVPools, pages: Sequence[int], blocks: Sequence[np.ndarray], b: int) -> KVPools:
+        idx = np.full(b, self.num_pages, np.int32)  # past the pool: dropped
+        idx[: len(pages)] = pages
+        data = np.zeros((self.block_shape[0], 2, b, *self.block_shape[2:]), self.dtype)
+        for i, block in enumerate(blocks):
+            data[:, :, i] = block
+        return self._scatter(kv, jax.device_put(idx, self._replicated), jax.device_put(data, self._replicated))
+
+    def warmup(self, kv: KVPools) -> KVPools:
+        """Compiles every size of both programs (the warm-up scatters write nothing: every index is past the
+        pool); returns the pools."""
+        for b in self.buckets:
+            self.to_host(self.gather(kv, [0] * b))
+            kv = self._scatter_padded(kv, [], [], b)
+        return kv

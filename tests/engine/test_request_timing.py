@@ -1,0 +1,76 @@
+"""The timeline the engine reports with each sequence's first token (`SeqTiming`: queue time, prefill chunks,
+first token, prefix-cache hits), through the engine-process wire and onto the API side's clock. Tiny random model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from jaxinfer import SamplingParams
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.core_process import pack, unpack, update_from_wire, update_to_wire
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.output import OutputProcessor
+from jaxinfer.engine.config import CacheConfig
+from jaxinfer.model import init_params
+from jaxinfer.types import SeqTiming, SeqUpdate
+
+CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=256)  # fmt: skip
+# A 16-token step budget: a 40-token prompt takes three prefill steps (16 + 16 + 8).
+CACHE = CacheConfig(block_size=4, num_pages=64, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+PROMPT = [(7 * i) % 61 + 2 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(CFG, init_params(CFG, seed=0, std=0.5), CACHE, (0,), seed=0)
+
+
+def _first_updates(eng: Engine, rid: str) -> list[SeqUpdate]:
+    eng.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), rid)
+    updates = []
+    while eng.has_unfinished():
+        updates += [u for u in eng.step() if u.request_id == rid]
+    return updates
+
+
+def test_first_token_carries_the_prefill_timeline(engine):
+    t0 = time.monotonic()
+    updates = _first_updates(engine, "cold")
+    elapsed = time.monotonic() - t0
+    assert [u.timing is not None for u in updates] == [True, False, False]  # once, with the first token
+    t = updates[0].timing
+    assert [c[2] for c in t.prefill_chunks] == [16, 16, 8] and t.num_cached_tokens == 0
+    assert t.num_host_cached_tokens is None  # no host KV tier
+    starts = [c[0] for c in t.prefill_chunks]
+    assert 0 <= t.queued_s == starts[0] and starts == sorted(starts)
+    assert all(start <= done <= t.first_token_s for start, done, _ in t.prefill_chunks)
+    assert t.first_token_s <= elapsed
+    # The same prompt again: 9 full pages (36 tokens) come from the prefix cache, one chunk computes the rest.
+    warm = _first_updates(engine, "warm")[0].timing
+    assert warm.num_cached_tokens == 36 and [c[2] for c in warm.prefill_chunks] == [4]
+
+
+def test_timing_crosses_the_wire_and_lands_on_the_api_clock(engine):
+    timing = SeqTiming(0.25, 0.5, 12, [[0.25, 0.375, 16], [0.375, 0.5, 8]])
+    u = SeqUpdate("r", [5], [], False, None, timing=timing)
+    back = update_from_wire(unpack(pack(update_to_wire(u))))
+    assert back == u
+    assert update_from_wire(unpack(pack(update_to_wire(SeqUpdate("r", [6], [], True, "length"))))).timing is None
+    from jaxinfer.model_files import smollm2_gguf
+    from jaxinfer.tokenizer import load_tokenizer
+
+    proc = OutputProcessor(load_tokenizer(smollm2_gguf()))
+    proc.add("r", None, PROMPT, SamplingParams(max_tokens=2))
+    (out,), _ = proc.process([back])
+    m = out.metrics
+    assert m.first_scheduled_time - m.arrival_time == pytest.approx(0.25)
+    assert m.first_token_time - m.arrival_time == pytest.approx(0.5)
+    assert [(a - m.arrival_time, b - m.arrival_time, n) for a, b, n in m.prefill_chunks] == pytest.approx(
+        [(0.25, 0.375, 16), (0.375, 0.5, 8)]
+    )
+    assert m.num_cached_tokens == 12 and m.finished_time is None and m.detokenize_s > 0
+    (out,), _ = proc.process([SeqUpdate("r", [6], [], True, "length")])
+    assert out.finished and out.metrics.finished_time >= m.arrival_time and out.metrics.num_cached_tokens == 12
