@@ -9,10 +9,10 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.core_process import pack, unpack, update_from_wire, update_to_wire
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
-from jaxinfer.engine.config import CacheConfig
 from jaxinfer.model import init_params
 from jaxinfer.types import SeqTiming, SeqUpdate
 

@@ -15,8 +15,8 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.config import CacheConfig
+from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import compile_count
 from jaxinfer.model import init_params
 
