@@ -74,3 +74,19 @@ def test_timing_crosses_the_wire_and_lands_on_the_api_clock(engine):
     assert m.num_cached_tokens == 12 and m.finished_time is None and m.detokenize_s > 0
     (out,), _ = proc.process([SeqUpdate("r", [6], [], True, "length")])
     assert out.finished and out.metrics.finished_time >= m.arrival_time and out.metrics.num_cached_tokens == 12
+
+
+def test_host_tier_hits_are_reported_per_request():
+    """A prompt whose pages were pushed off the device comes back from the host tier: its first token says how
+    many of its cached tokens the host tier restored."""
+    eng = Engine(CFG, init_params(CFG, seed=0, std=0.5),
+                 CacheConfig(page_size=4, num_pages=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                             host_kv_cache_memory=1 << 20), (0,), seed=0)  # fmt: skip
+    assert eng.host is not None
+    assert _first_updates(eng, "cold")[0].timing.num_host_cached_tokens == 0
+    # Other prompts take the whole pool: the first prompt's pages go to the host tier.
+    eng.generate([[(5 * i) % 61 + 2 for i in range(60)], [(3 * i) % 61 + 2 for i in range(60)]],
+                 SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
+    warm = _first_updates(eng, "warm")[0].timing
+    assert warm.num_cached_tokens == 36 and warm.num_host_cached_tokens > 0
+    assert warm.num_host_cached_tokens <= warm.num_cached_tokens
