@@ -80,7 +80,7 @@ def test_host_tier_hits_are_reported_per_request():
     """A prompt whose pages were pushed off the device comes back from the host tier: its first token says how
     many of its cached tokens the host tier restored."""
     eng = Engine(CFG, init_params(CFG, seed=0, std=0.5),
-                 CacheConfig(page_size=4, num_pages=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                 CacheConfig(block_size=4, num_pages=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
                              host_kv_cache_memory=1 << 20), (0,), seed=0)  # fmt: skip
     assert eng.host is not None
     assert _first_updates(eng, "cold")[0].timing.num_host_cached_tokens == 0

@@ -30,7 +30,12 @@ HOST = 1 << 20  # 1 MiB of host tier: 1024 pages of this model
 def _cache(**kw) -> CacheConfig:
     # 20 turns reach ~240 tokens = 60 pages: the session cap (default a quarter of the pool) must hold them.
     base = dict(
-        block_size=4, num_pages=128, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32, session_cache_pages=80
+        block_size=4,
+        num_pages=128,
+        max_model_len=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        session_cache_pages=80,
     )
     return CacheConfig(**{**base, **kw})
 
