@@ -160,8 +160,8 @@ class Request:
     group: str | None = None  # the n > 1 samples of one prompt share a group, and so the prompt's pages
     block_hashes: list[int] = field(default_factory=list)  # hashes of the leading full pages, as registered
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
-    # Hook for a host KV tier: prompt tokens it restored at admission (None: no host tier). Reported with the
-    # first token (SeqTiming) and shown as jaxinfer:request_host_cache_hit_rate on /metrics.
+    # Of those, the tokens the host KV tier restored (None: no host tier). Reported with the first token
+    # (SeqTiming) and shown as jaxinfer:request_host_cache_hit_rate on /metrics.
     num_host_cached_tokens: int | None = None
     # (dispatched, done, prompt tokens) of each step that computed part of the prompt, in seconds since
     # arrival_time: the prefill chunks of the request's trace.

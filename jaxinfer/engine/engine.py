@@ -26,7 +26,8 @@ from jaxinfer.cache.host_tier import HostTier, host_tier_bytes
 from jaxinfer.cache.pages import PageAllocator
 from jaxinfer.cache.sessions import SessionStore
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.runner import CacheConfig, ModelRunner, placeholder
+from jaxinfer.engine.config import CacheConfig
+from jaxinfer.engine.runner import ModelRunner, placeholder
 from jaxinfer.engine.scheduler import Evicted, Load, Scheduler
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
@@ -67,7 +68,7 @@ class Engine:
             raise ValueError(f"max_logprobs: {cache.max_logprobs} exceeds the vocabulary size {cfg.vocab_size}")
         self.cfg, self.cc = cfg, cache
         self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh)
-        self.allocator = PageAllocator(self.runner.num_pages, cache.page_size, cache.enable_prefix_cache)
+        self.allocator = PageAllocator(self.runner.num_pages, cache.block_size, cache.enable_prefix_caching)
         pin_cap = cache.session_cache_pages if cache.session_cache_pages is not None else self.runner.num_pages // 4
         self.sessions = SessionStore(self.allocator, min(pin_cap, self.runner.num_pages), cache.session_ttl)
         self.host = self._host_tier(cache)
@@ -95,7 +96,7 @@ class Engine:
         """The host tier, when it has memory, the prefix cache is on (it stores prefix-cache blocks) and one
         process drives the mesh (its copies are not broadcast to followers)."""
         nbytes = host_tier_bytes(cache.host_kv_cache_memory, jax.default_backend())
-        if nbytes == 0 or not cache.enable_prefix_cache or jax.process_count() > 1:
+        if nbytes == 0 or not cache.enable_prefix_caching or jax.process_count() > 1:
             return None
         k = self.runner.kv[0][0]
         block_bytes = 2 * len(self.runner.kv) * k.shape[1] * k.shape[2] * k.shape[3] * k.dtype.itemsize

@@ -105,6 +105,7 @@ class Scheduler:
             limit = 0  # every prompt token's logits are needed, so none may come from the cache
         sid = req.params.session_id
         match = None
+        req.num_host_cached_tokens = 0 if self.host is not None else None
         if limit and sid is not None and self.sessions is not None and req.group is None:
             match = self.sessions.match(sid, req.tokens(0, limit), limit)
         if match is not None:
@@ -114,7 +115,9 @@ class Scheduler:
             tokens = req.tokens(0, max_blocks * self.alloc.page_size)
             pages, hashes = self.alloc.match_prefix(tokens, max_blocks)
             if self.host is not None:
+                before = self.host_hit_tokens
                 self._match_host(tokens, pages, hashes, max_blocks)
+                req.num_host_cached_tokens = self.host_hit_tokens - before
             req.pages, req.block_hashes = pages, hashes
             req.num_computed = len(pages) * self.alloc.page_size
         req.num_cached_tokens = min(req.num_computed, len(req.prompt_token_ids))

@@ -15,8 +15,9 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import CacheConfig, compile_count
+from jaxinfer.engine.runner import compile_count
 from jaxinfer.model import init_params
 
 CHILD = os.environ.get("JAXINFER_SESSIONS_DP_CHILD") == "1"
@@ -29,7 +30,12 @@ HOST = 1 << 20  # 1 MiB of host tier: 1024 pages of this model
 def _cache(**kw) -> CacheConfig:
     # 20 turns reach ~240 tokens = 60 pages: the session cap (default a quarter of the pool) must hold them.
     base = dict(
-        page_size=4, num_pages=128, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32, session_cache_pages=80
+        block_size=4,
+        num_pages=128,
+        max_model_len=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        session_cache_pages=80,
     )
     return CacheConfig(**{**base, **kw})
 
@@ -74,7 +80,7 @@ def _converse(eng: Engine, session: str | None, evict: bool = False) -> tuple[li
 @pytest.fixture(scope="module")
 def reference(params):
     """No session and no prefix cache: every turn recomputes its whole prompt."""
-    eng = Engine(CFG, params, _cache(enable_prefix_cache=False), seed=0)
+    eng = Engine(CFG, params, _cache(enable_prefix_caching=False), seed=0)
     outputs, prefilled = _converse(eng, None)
     total = 0
     for msg, out, n in zip(_messages(), outputs, prefilled, strict=True):
@@ -98,7 +104,7 @@ def test_each_turn_prefills_only_its_new_message(params, reference):
 
 
 def test_without_a_prefix_cache_sessions_still_work(params, reference):
-    eng = Engine(CFG, params, _cache(enable_prefix_cache=False), seed=0)
+    eng = Engine(CFG, params, _cache(enable_prefix_caching=False), seed=0)
     outputs, prefilled = _converse(eng, "chat-1")
     assert outputs == reference and prefilled[1:] == [len(m) + 1 for m in _messages()[1:]]
 

@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from jaxinfer.server.app import build_app
 from jaxinfer.server.args import ServerArgs
-from tests.server.conftest import REPO
+from tests.server.conftest import REPO, metric
 from tests.server.test_lifecycle import InProcessServer
-from tests.server.test_rate_limits import auth, metric, write_keys
+from tests.server.test_rate_limits import auth, write_keys
 
 PROMPT = list(range(100, 110))  # 10 token ids: with 4 per prefill step, chunks of 4, 4 and 2
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -132,3 +132,20 @@ def test_no_access_log_and_no_opentelemetry_needed(tokenizer, monkeypatch, caplo
     build_app(ServerArgs(model="fake"), lambda _: None)
     with pytest.raises(RuntimeError, match=r"jaxinfer\[otel\]"):
         build_app(ServerArgs(model="fake", otlp_traces_endpoint="http://127.0.0.1:4317"), lambda _: None)
+
+
+def test_hit_rate_histograms_and_the_host_tier_hook():
+    """A host KV tier reports its hits through Request.num_host_cached_tokens -> SeqTiming -> RequestMetrics; the
+    server's histograms take both rates from there."""
+    from jaxinfer.server.metrics import Metrics
+    from jaxinfer.server.state import ServerState
+    from jaxinfer.types import RequestMetrics
+
+    m = Metrics(ServerState(ServerArgs(model="fake")))
+    m.first_token(0.5, 10, RequestMetrics(100.0, 100.25, 100.5, None, num_cached_tokens=4))
+    m.first_token(0.5, 10, RequestMetrics(100.0, 100.0, 100.5, None, num_cached_tokens=4, num_host_cached_tokens=6))
+    text = m.render().decode()
+    assert metric(text, "jaxinfer:request_prefix_cache_hit_rate_sum") == pytest.approx(0.8)
+    assert metric(text, "jaxinfer:request_host_cache_hit_rate_count") == 1
+    assert metric(text, "jaxinfer:request_host_cache_hit_rate_sum") == pytest.approx(0.6)
+    assert metric(text, "jaxinfer:request_queue_time_seconds_sum") == pytest.approx(0.25)
