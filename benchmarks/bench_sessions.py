@@ -42,8 +42,8 @@ HOST_BYTES = 2**30
 
 
 def build_engine(args: argparse.Namespace, mode: str) -> Any:
+    from jaxinfer.engine.config import CacheConfig
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.engine.runner import CacheConfig
 
     if args.shape:
         cfg = shape_config(args.shape, args.dtype or "float32")
@@ -56,8 +56,8 @@ def build_engine(args: argparse.Namespace, mode: str) -> Any:
     page = args.block_size
     max_len = -(-(context + 1) // page) * page
     cache = CacheConfig(
-        page_size=page, num_pages=3 * (max_len // page) + 4, max_model_len=max_len, max_num_seqs=4,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_cache=mode != "recompute",
+        block_size=page, num_pages=3 * (max_len // page) + 4, max_model_len=max_len, max_num_seqs=4,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=mode != "recompute",
         session_cache_pages=0 if mode == "recompute" else max_len // page,  # room for the whole conversation
         host_kv_cache_memory=HOST_BYTES if mode == "host" else 0,
     )  # fmt: skip
