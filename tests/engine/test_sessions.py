@@ -151,6 +151,52 @@ def test_session_cap_zero_turns_sessions_off(params):
     assert eng.cache_stats()["sessions"] == 0 and eng.allocator.num_free == eng.allocator.num_pages
 
 
+def test_engine_core_loop_expires_and_releases_sessions(params):
+    """The engine process's loop (EngineCore, fed over ZeroMQ as in serving): a pinned session times out while the
+    loop idles, and "shutdown" releases what is still pinned; the pool is full again both times."""
+    import threading
+
+    import zmq
+
+    from jaxinfer.engine.core_process import EngineCore, pack, params_to_wire, unpack
+
+    eng = Engine(CFG, params, _cache(session_ttl=0.5), seed=0)
+    ctx = zmq.Context()
+    commands_in, commands = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    results, results_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    commands_in.bind("inproc://commands")
+    commands.connect("inproc://commands")
+    results.bind("inproc://results")
+    results_out.connect("inproc://results")
+    core = EngineCore(eng, commands_in, results_out)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    sp = params_to_wire(SamplingParams(max_tokens=3, temperature=0, session_id="s"))
+
+    def turn(rid: str) -> dict:
+        commands.send(pack(["add", rid, [5, 6, 7, 8, 9, 10], sp]))
+        while True:
+            msg = unpack(results.recv())
+            if any(u[0] == rid and u[3] for u in msg["u"]):
+                return msg["s"]["cache"]
+
+    try:
+        assert turn("a")["sessions"] == 1
+        deadline = time.monotonic() + 10
+        while eng.cache_stats()["sessions"] and time.monotonic() < deadline:  # idle: the TTL runs out
+            time.sleep(0.1)
+        assert eng.cache_stats()["sessions"] == 0 and eng.allocator.num_free == eng.allocator.num_pages
+        assert turn("b")["sessions"] == 1
+        commands.send(pack(["shutdown"]))
+        loop.join(10)
+        assert not loop.is_alive()
+        assert eng.cache_stats()["sessions"] == 0 and eng.allocator.num_free == eng.allocator.num_pages
+    finally:
+        for sock in (commands_in, commands, results, results_out):
+            sock.close(linger=0)
+        ctx.term()
+
+
 # ---------------------------------------------------------------------------------------------- data parallel
 
 
