@@ -155,15 +155,28 @@ class Engine:
             spills.append(ev)
             self._spilling.add(ev.block_hash)
         if spills:  # first: a page spilled and loaded in one schedule is read before it is written
-            self._spills.append((self.runner.gather_pages([e.page for e in spills]), spills))
+            try:
+                self._spills.append((self.runner.gather_pages([e.page for e in spills]), spills))
+            except Exception as e:  # a lost spill costs a recompute later, never a wrong token
+                log.warning("copying %d KV pages to the host tier failed: %s", len(spills), e)
+                self._spilling.clear()
         if loads:
-            self.runner.scatter_pages(list(loads), [np.asarray(ld.kv) for ld in loads.values()])
+            try:
+                self.runner.scatter_pages(list(loads), [np.asarray(ld.kv) for ld in loads.values()])
+            except Exception as e:
+                # The pages are in the prefix cache already: without their K/V nothing in the pool can be trusted.
+                raise EngineFatalError(f"copying KV pages back from the host tier failed: {e}") from e
 
     def _store_spills(self) -> None:
         """Moves finished page copies into the host tier (their device copies were dispatched before the step
         just collected, so they are done or nearly)."""
         for pieces, evicted in self._spills:
-            for ev, block in zip(evicted, self.runner.pages_to_host(pieces), strict=True):
+            try:
+                blocks = self.runner.pages_to_host(pieces)
+            except Exception as e:  # as in _move_kv: the blocks are recomputed when next needed
+                log.warning("copying %d KV pages to the host tier failed: %s", len(evicted), e)
+                continue
+            for ev, block in zip(evicted, blocks, strict=True):
                 self.host.put(ev.block_hash, ev.tokens, block)
         self._spills.clear()
         self._spilling.clear()

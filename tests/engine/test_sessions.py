@@ -59,12 +59,14 @@ def _evict_device_cache(eng: Engine) -> None:
     assert eng.allocator.num_free == eng.allocator.num_pages
 
 
-def _converse(eng: Engine, session: str | None, evict: bool = False) -> tuple[list[list[int]], list[int]]:
+def _converse(
+    eng: Engine, session: str | None, evict: bool = False, turns: int = TURNS
+) -> tuple[list[list[int]], list[int]]:
     """Runs the conversation: each turn's prompt is the previous prompt, its reply and a new message. Returns every
     turn's greedy tokens and prompt tokens computed."""
     prompt: list[int] = []
     outputs, prefilled = [], []
-    for msg in _messages():
+    for msg in _messages()[:turns]:
         prompt = prompt + msg
         before = eng.num_prefilled_tokens
         sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, session_id=session)
@@ -132,6 +134,28 @@ def test_without_the_host_tier_eviction_means_recompute(params, reference):
     outputs, prefilled = _converse(eng, "chat-1", evict=True)
     assert eng.host is None and outputs == reference
     assert prefilled[-1] > sum(len(m) for m in _messages()[:-1])  # the whole conversation again
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("injected copy failure")
+
+
+def test_a_failed_spill_costs_a_recompute_never_a_token(params, reference, monkeypatch):
+    eng = Engine(CFG, params, _cache(host_kv_cache_memory=HOST), seed=0)
+    monkeypatch.setattr(eng.runner, "gather_pages", _raise)
+    outputs, _ = _converse(eng, "chat-1", evict=True, turns=4)
+    assert outputs == reference[:4] and eng.cache_stats()["host_kv_spills"] == 0
+
+
+def test_a_failed_copy_back_stops_the_engine(params, monkeypatch):
+    from jaxinfer.engine.engine import EngineFatalError
+
+    eng = Engine(CFG, params, _cache(host_kv_cache_memory=HOST), seed=0)
+    _converse(eng, "chat-1", evict=True, turns=2)  # the conversation's pages now live in the host tier only
+    monkeypatch.setattr(eng.runner, "scatter_pages", _raise)
+    prompt = _messages()[0] + [9] * 12  # the first turn's prompt, then more: its full page comes from the host
+    with pytest.raises(EngineFatalError, match="host tier"):
+        eng.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
 
 
 def test_ttl_expiry_returns_the_pages(params):
