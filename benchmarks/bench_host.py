@@ -40,15 +40,15 @@ QUICK_DEFAULTS: dict[str, Any] = dict(batch="1,4", prompt_len=8, steps=6, warmup
 
 def build(args: argparse.Namespace, max_seqs: int, overlap: bool) -> tuple[Any, Any]:
     """(engine, tokenizer or None) sized for `max_seqs` rows of prompt_len + warmup + steps tokens."""
+    from jaxinfer.engine.config import CacheConfig
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.engine.runner import CacheConfig
 
     seq_len = args.prompt_len + decode_tokens(args, max_seqs) + 8
     page = 16
     max_len = -(-seq_len // page) * page
-    cache = CacheConfig(page_size=page, num_pages=max_seqs * (max_len // page) + 8, max_model_len=max_len,
+    cache = CacheConfig(block_size=page, num_pages=max_seqs * (max_len // page) + 8, max_model_len=max_len,
                         max_num_seqs=max_seqs, max_num_batched_tokens=budget(max_seqs),
-                        enable_prefix_cache=False)  # fmt: skip
+                        enable_prefix_caching=False)  # fmt: skip
     if args.shape:
         cfg = shape_config(args.shape, args.dtype or "bfloat16")
         return Engine(cfg, random_params(cfg, seed=0), cache, (), args.attn_impl, 0, overlap=overlap), None

@@ -45,8 +45,8 @@ QUICK_DEFAULTS: dict[str, Any] = dict(prefill_len="16,32", batch="1,3", context=
 
 
 def build_engine(args: argparse.Namespace) -> Any:
+    from jaxinfer.engine.config import CacheConfig
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.engine.runner import CacheConfig
 
     if args.shape:
         cfg = shape_config(args.shape, args.dtype or "bfloat16")
@@ -61,9 +61,9 @@ def build_engine(args: argparse.Namespace) -> Any:
     max_len = -(-max(max(args.prefill_len) + 1, decode_len) // page) * page  # + 1: the sampled token
     pages = max(max(args.batch) * -(-decode_len // page), -(-max(args.prefill_len) // page))
     cache = CacheConfig(
-        page_size=page, num_pages=pages + 4, max_model_len=max_len, max_num_seqs=max(args.batch),
+        block_size=page, num_pages=pages + 4, max_model_len=max_len, max_num_seqs=max(args.batch),
         max_num_batched_tokens=max(*args.prefill_len, *args.batch),
-        enable_prefix_cache=False,  # every timed prefill must compute its whole prompt
+        enable_prefix_caching=False,  # every timed prefill must compute its whole prompt
     )  # fmt: skip
     # The plain loop: each timed step() runs and collects its own step (bench_host measures overlap scheduling).
     return Engine(cfg, params, cache, (), args.attn_impl, args.seed, overlap=False)

@@ -195,13 +195,13 @@ def make_jaxinfer(args: argparse.Namespace, max_model_len: int) -> JaxEngine:
                 for i, (_, m) in enumerate(reqs)]  # fmt: skip
 
     if args.shape:
+        from jaxinfer.engine.config import CacheConfig
         from jaxinfer.engine.engine import Engine
-        from jaxinfer.engine.runner import CacheConfig
 
         cfg = shape_config(args.shape, args.dtype or "bfloat16")
         cache = CacheConfig(
-            page_size=args.block_size, num_pages=-(-num_kv_tokens // args.block_size) if num_kv_tokens else None,
-            memory_fraction=args.memory_fraction, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size, num_pages=-(-num_kv_tokens // args.block_size) if num_kv_tokens else None,
+            gpu_memory_utilization=args.memory_fraction, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=mnbt,
         )  # fmt: skip
         engine = Engine(cfg, random_params(cfg, seed=args.seed), cache, (), args.attn_impl, args.seed)
@@ -240,7 +240,7 @@ def run_jaxinfer(
     je = make_jaxinfer(args, max_model_len)
     engine = je.engine
     print(f"{je.label}: loaded in {je.load_s:.1f}s; KV pool {engine.allocator.num_pages} pages x "
-          f"{engine.cc.page_size}, max_model_len {engine.cc.max_model_len}, max_num_seqs {engine.cc.max_num_seqs}, "
+          f"{engine.cc.block_size}, max_model_len {engine.cc.max_model_len}, max_num_seqs {engine.cc.max_num_seqs}, "
           f"max_num_batched_tokens {engine.cc.max_num_batched_tokens}", flush=True)  # fmt: skip
 
     # Warm-up: compile every bucket, then one short request (as nano-vllm's bench does before timing).
@@ -252,7 +252,7 @@ def run_jaxinfer(
     print(f"{je.label}: warm-up {warmup_s:.1f}s ({warmup_compiles} compilations)", flush=True)
 
     probe = EngineProbe(engine)
-    page_bytes = kv_bytes_per_token(engine.cfg) * engine.cc.page_size
+    page_bytes = kv_bytes_per_token(engine.cfg) * engine.cc.block_size
     rows = []
     for name, reqs in workloads.items():
         probe.reset()

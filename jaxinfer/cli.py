@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -26,8 +27,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from jaxinfer.model_files import DEFAULT_MODEL
-from jaxinfer.server.args import ServerArgs, make_parser, parse_args
+from jaxinfer.server.args import ServerArgs, add_engine_flags, engine_args, make_parser, parse_args
 
 PROG = "jaxinfer"
 DEFAULT_URL = "http://localhost:8000/v1"
@@ -71,7 +71,6 @@ def run_server(args: ServerArgs) -> int:
     """What `python serve.py` and `jaxinfer serve` run: the HTTP server, the model loading behind it."""
     from jaxinfer.server.app import build_app
     from jaxinfer.server.http import serve
-    from jaxinfer.server.loader import build_engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":
@@ -82,6 +81,8 @@ def run_server(args: ServerArgs) -> int:
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
         if not distributed.is_lead():
             # A follower serves no HTTP: it loads its shards and runs every step the lead announces.
+            from jaxinfer.engine.build import build_engine  # not before: jax and orbax load only where needed
+
             engine, _ = build_engine(args)
             distributed.follow(engine.runner)
             return 0
@@ -126,22 +127,13 @@ def _serve(ns: argparse.Namespace, rest: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------- generate
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name, .gguf file, HF directory or checkpoint")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 4096)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    p.add_argument("--num-kv-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="share of free memory for the KV pool")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices each replica spans")
-
-
-def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int, seed: bool = True) -> None:
+    """`seed=False` where the engine flags bring --seed (the engine's seed for requests that bring none)."""
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    if seed:
+        p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -159,20 +151,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="send each prompt as a user message through the chat template (default: when the model has one)",
     )
-    _add_sampling_flags(p, max_tokens=64)
-    _add_engine_flags(p)
+    _add_sampling_flags(p, max_tokens=64, seed=False)
+    add_engine_flags(p)
     p.set_defaults(run=_generate)
 
 
 def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
     from jaxinfer import LLM, SamplingParams
 
-    sp = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed)
-    with LLM(
-        ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens, num_kv_tokens=ns.num_kv_tokens,
-        gpu_memory_utilization=ns.gpu_memory_utilization, tensor_parallel_size=ns.tensor_parallel_size,
-    ) as llm:  # fmt: skip
+    sp = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
+    settings = dataclasses.asdict(engine_args(ns))
+    with LLM(settings.pop("model"), **settings) as llm:
         chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
         if chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], sp)

@@ -79,7 +79,7 @@ def follow(runner) -> None:
         cmd, decode_only, t, s, advanced, prompt_lp = (int(x) for x in header)
         if cmd == _STOP:
             return
-        like = (pack([], t, s, cc.pages_per_seq, cc.page_size),
+        like = (pack([], t, s, cc.pages_per_seq, cc.block_size),
                 build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, bool(advanced)))  # fmt: skip
         inp, st = _from_wire(multihost_utils.broadcast_one_to_all(_to_wire(like)), like)
         runner.launch(inp, st, bool(decode_only), bool(advanced), bool(prompt_lp))

@@ -76,7 +76,7 @@ def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s:
         ("attention", attention_kernels(runner)),
         (
             "KV cache",
-            f"{tokens} tokens ({runner.num_pages} pages x {cc.page_size}, {kv_mib / 2**20:.0f} MiB) per "
+            f"{tokens} tokens ({runner.num_pages} pages x {cc.block_size}, {kv_mib / 2**20:.0f} MiB) per "
             f"replica = {full_seqs} sequences at max_model_len {cc.max_model_len}; "
             f"max_num_seqs {cc.max_num_seqs}",
         ),  # fmt: skip

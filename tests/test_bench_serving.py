@@ -309,15 +309,15 @@ class TinyServer:
 
         from benchmarks.common import SHAPES, random_params
         from jaxinfer.config import ModelConfig
+        from jaxinfer.engine.config import CacheConfig
         from jaxinfer.engine.engine import Engine
-        from jaxinfer.engine.runner import CacheConfig
         from jaxinfer.server.app import build_app
         from jaxinfer.server.args import ServerArgs
         from jaxinfer.server.http import DrainingServer
 
         def loader(args):
             cfg = ModelConfig(**(SHAPES["tiny"] | dict(vocab_size=tokenizer.vocab_size)), dtype="float32")
-            cache = CacheConfig(page_size=16, num_pages=32, max_model_len=128, max_num_seqs=4,
+            cache = CacheConfig(block_size=16, num_pages=32, max_model_len=128, max_num_seqs=4,
                                 max_num_batched_tokens=32)  # fmt: skip
             return Engine(cfg, random_params(cfg, seed=0), cache, tokenizer.eos_token_ids, None, 0), tokenizer
 

@@ -19,7 +19,8 @@ from jaxinfer.device import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from jaxinfer.engine.runner import CacheConfig, ModelRunner, kv_bytes_per_token
+from jaxinfer.engine.config import CacheConfig
+from jaxinfer.engine.runner import ModelRunner, kv_bytes_per_token
 from jaxinfer.model import init_params
 from jaxinfer.model_files import smollm2_gguf
 from jaxinfer.weights import checkpoint_dtype, load_weights
@@ -88,7 +89,7 @@ TINY = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_siz
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
 def test_kv_cache_dtype_sets_the_pool_and_its_size(kv_cache_dtype, caplog):
-    cc = CacheConfig(page_size=8, num_pages=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+    cc = CacheConfig(block_size=8, num_pages=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
                      kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="jaxinfer.engine.runner"):
         runner = ModelRunner(TINY, init_params(TINY), cc)
@@ -115,7 +116,7 @@ def test_bf16_kv_cache_under_an_f32_model_decodes():
     from jaxinfer.generate import generate_tokens
     from jaxinfer.types import SamplingParams
 
-    cc = CacheConfig(page_size=8, num_pages=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+    cc = CacheConfig(block_size=8, num_pages=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
                      kv_cache_dtype="bfloat16")  # fmt: skip
     params = init_params(TINY)
     prompts = [[1, 5, 9, 3], [7, 2, 4, 4]]

@@ -76,20 +76,12 @@ def _upward_imports(files: list[Path]) -> dict[str, list[str]]:
     return bad
 
 
-KNOWN_UPWARD = {"jaxinfer/engine/core_process.py"}  # imports jaxinfer.server.args and jaxinfer.server.loader
-
-
 def test_lower_layers_never_import_server_or_llm():
+    """The engine process included: it builds its engine with jaxinfer.engine.build, not through the server."""
     files = [f for d in LOWER for f in sorted((ROOT / d).rglob("*.py"))]
-    assert len(files) > 20
-    bad = {k: v for k, v in _upward_imports(files).items() if k not in KNOWN_UPWARD}
+    assert len(files) > 20 and ROOT / "jaxinfer/engine/core_process.py" in files
+    bad = _upward_imports(files)
     assert not bad, f"lower layers import the server or LLM: {bad}"
-
-
-@pytest.mark.xfail(strict=True, reason="engine/core_process.py imports jaxinfer.server.args and .loader (issue 15 "
-                   "item 6: one build_engine in the engine package)")  # fmt: skip
-def test_core_process_does_not_import_the_server():
-    assert not _upward_imports([ROOT / f for f in sorted(KNOWN_UPWARD)])
 
 
 def test_http_front_modules_import_no_kernel():
@@ -98,7 +90,7 @@ def test_http_front_modules_import_no_kernel():
     assert "kernels_pallas" not in loaded and "jax" not in loaded
 
 
-@pytest.mark.xfail(strict=True, reason="the HTTP process's MPAsyncEngine imports engine.core_process and "
-                   "async_engine, which import the runner (CacheConfig), jax and kernels_pallas")  # fmt: skip
 def test_http_process_engine_client_imports_no_kernel():
-    assert "kernels_pallas" not in _loaded_after_import(["jaxinfer.engine.mp_engine"])
+    """The HTTP process's client of the engine process, and the settings it validates with, load no jax."""
+    loaded = _loaded_after_import(["jaxinfer.engine.mp_engine", "jaxinfer.engine.config", "jaxinfer.server.args"])
+    assert "kernels_pallas" not in loaded and "jax" not in loaded

@@ -2,9 +2,9 @@
 
 - CPU: what the scheduler can address (`max_num_seqs` sequences of `max_model_len` tokens, plus a margin of pages
   the prefix cache keeps warm), capped by a byte budget (`kv_cache_memory`, default `CPU_DEFAULT_BUDGET`) and by
-  `memory_fraction` of the host memory available to each device. Taking half the host's free memory for a 135M
+  `gpu_memory_utilization` of the host memory available to each device. Taking half the host's free memory for a 135M
   model (the old default, ~13 GB) left a notebook no room for a second model.
-- Accelerators: `memory_fraction` of the free memory of the tightest device that holds a shard of the pool,
+- Accelerators: `gpu_memory_utilization` of the free memory of the tightest device that holds a shard of the pool,
   divided by the bytes of a page on one device (under tensor parallelism each device holds only its KV heads), and
   capped by `kv_cache_memory` when given. Each data-parallel replica is sized from its own devices.
 
@@ -82,7 +82,7 @@ def size_kv_pool(
     max_num_seqs: int,
     max_model_len: int,
     free_bytes_per_device: list[int],
-    memory_fraction: float,
+    gpu_memory_utilization: float,
     budget: int | None = None,
 ) -> PoolSize:
     """Pages of one pool (one replica). `page_bytes`: one page's bytes on one device; `free_bytes_per_device`: the
@@ -90,7 +90,7 @@ def size_kv_pool(
     if page_bytes < 1 or not free_bytes_per_device:
         raise ValueError("page_bytes must be >= 1 and at least one device is needed")
     free = min(free_bytes_per_device)
-    by_fraction = int(free * memory_fraction) // page_bytes
+    by_fraction = int(free * gpu_memory_utilization) // page_bytes
     if backend == "cpu":
         pages_per_seq = -(-max_model_len // page_size)
         addressable = max_num_seqs * pages_per_seq
@@ -105,11 +105,11 @@ def size_kv_pool(
             src = "kv_cache_memory" if budget is not None else "the CPU default budget (set kv_cache_memory)"
             reason = f"capped by {src} = {format_bytes(cap)} (wanted {why} = {wanted} pages)"
         else:
-            reason = (f"capped by memory_fraction {memory_fraction} of {format_bytes(free)} available host memory "
-                      f"(wanted {why} = {wanted} pages)")  # fmt: skip
+            reason = (f"capped by gpu_memory_utilization {gpu_memory_utilization} of {format_bytes(free)} available "
+                      f"host memory (wanted {why} = {wanted} pages)")  # fmt: skip
         return PoolSize(num, reason)
     num = by_fraction
-    reason = (f"memory_fraction {memory_fraction} of {format_bytes(free)} free on the tightest of "
+    reason = (f"gpu_memory_utilization {gpu_memory_utilization} of {format_bytes(free)} free on the tightest of "
               f"{len(free_bytes_per_device)} device(s), {format_bytes(page_bytes)} per page per device")  # fmt: skip
     if budget is not None and budget // page_bytes < num:
         num = budget // page_bytes

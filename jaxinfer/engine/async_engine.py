@@ -16,12 +16,15 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
-from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
 from jaxinfer.engine.stream_queue import StreamLimits, StreamQueue
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.types import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:  # the HTTP process imports this module for EngineDeadError: no jax there
+    from jaxinfer.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 

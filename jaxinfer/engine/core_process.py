@@ -219,12 +219,13 @@ def run_core(args: dict, commands_addr: str, results_addr: str, parent_pid: int,
 
 
 def _build(args: dict) -> tuple[Any, Any]:
-    from jaxinfer.server.args import ServerArgs
-    from jaxinfer.server.loader import build_engine
+    """The engine for the server's settings: the EngineArgs among them (the HTTP flags stay with the server)."""
+    from jaxinfer.engine.build import build_engine
+    from jaxinfer.engine.config import EngineArgs
     from jaxinfer.startup import seconds_since_start, summary, warm_up
 
     t0 = time.perf_counter()
-    engine, tokenizer = build_engine(ServerArgs(**args))
+    engine, tokenizer = build_engine(EngineArgs(**{k: args[k] for k in EngineArgs.names()}))
     load_s = time.perf_counter() - t0
     # Compile now every program variant a request can select: prompt logprobs (echo + logprobs) included.
     warm = warm_up(engine, prompt_logprobs=True)

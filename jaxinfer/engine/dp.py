@@ -18,8 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.cache.host_tier import host_tier_bytes
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import CacheConfig
 from jaxinfer.model.transformer import Params
 from jaxinfer.sharding import DATA, MODEL
 from jaxinfer.types import SamplingParams, SeqUpdate

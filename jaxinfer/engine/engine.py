@@ -26,7 +26,8 @@ from jaxinfer.cache.host_tier import HostTier, host_tier_bytes
 from jaxinfer.cache.pages import PageAllocator
 from jaxinfer.cache.sessions import SessionStore
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.runner import CacheConfig, ModelRunner, placeholder
+from jaxinfer.engine.config import CacheConfig
+from jaxinfer.engine.runner import ModelRunner, placeholder
 from jaxinfer.engine.scheduler import Evicted, Load, Scheduler
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
@@ -67,7 +68,7 @@ class Engine:
             raise ValueError(f"max_logprobs: {cache.max_logprobs} exceeds the vocabulary size {cfg.vocab_size}")
         self.cfg, self.cc = cfg, cache
         self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh)
-        self.allocator = PageAllocator(self.runner.num_pages, cache.page_size, cache.enable_prefix_cache)
+        self.allocator = PageAllocator(self.runner.num_pages, cache.block_size, cache.enable_prefix_caching)
         pin_cap = cache.session_cache_pages if cache.session_cache_pages is not None else self.runner.num_pages // 4
         self.sessions = SessionStore(self.allocator, min(pin_cap, self.runner.num_pages), cache.session_ttl)
         self.host = self._host_tier(cache)
@@ -95,7 +96,7 @@ class Engine:
         """The host tier, when it has memory, the prefix cache is on (it stores prefix-cache blocks) and one
         process drives the mesh (its copies are not broadcast to followers)."""
         nbytes = host_tier_bytes(cache.host_kv_cache_memory, jax.default_backend())
-        if nbytes == 0 or not cache.enable_prefix_cache or jax.process_count() > 1:
+        if nbytes == 0 or not cache.enable_prefix_caching or jax.process_count() > 1:
             return None
         k = self.runner.kv[0][0]
         block_bytes = 2 * len(self.runner.kv) * k.shape[1] * k.shape[2] * k.shape[3] * k.dtype.itemsize
@@ -154,15 +155,28 @@ class Engine:
             spills.append(ev)
             self._spilling.add(ev.block_hash)
         if spills:  # first: a page spilled and loaded in one schedule is read before it is written
-            self._spills.append((self.runner.gather_pages([e.page for e in spills]), spills))
+            try:
+                self._spills.append((self.runner.gather_pages([e.page for e in spills]), spills))
+            except Exception as e:  # a lost spill costs a recompute later, never a wrong token
+                log.warning("copying %d KV pages to the host tier failed: %s", len(spills), e)
+                self._spilling.clear()
         if loads:
-            self.runner.scatter_pages(list(loads), [np.asarray(ld.kv) for ld in loads.values()])
+            try:
+                self.runner.scatter_pages(list(loads), [np.asarray(ld.kv) for ld in loads.values()])
+            except Exception as e:
+                # The pages are in the prefix cache already: without their K/V nothing in the pool can be trusted.
+                raise EngineFatalError(f"copying KV pages back from the host tier failed: {e}") from e
 
     def _store_spills(self) -> None:
         """Moves finished page copies into the host tier (their device copies were dispatched before the step
         just collected, so they are done or nearly)."""
         for pieces, evicted in self._spills:
-            for ev, block in zip(evicted, self.runner.pages_to_host(pieces), strict=True):
+            try:
+                blocks = self.runner.pages_to_host(pieces)
+            except Exception as e:  # as in _move_kv: the blocks are recomputed when next needed
+                log.warning("copying %d KV pages to the host tier failed: %s", len(evicted), e)
+                continue
+            for ev, block in zip(evicted, blocks, strict=True):
                 self.host.put(ev.block_hash, ev.tokens, block)
         self._spills.clear()
         self._spilling.clear()

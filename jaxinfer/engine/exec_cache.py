@@ -11,6 +11,10 @@ package's own source files (a code change invalidates every entry). A warm start
 Files live in `<jax compilation cache dir>/jaxinfer-exec/`, so `--compilation-cache-dir` moves them and
 `--no-compilation-cache` turns them off; `JAXINFER_EXEC_CACHE=0` turns off only this layer. Writes are atomic
 (temporary file + rename). An unreadable, corrupt or mismatched entry logs one warning and compiles normally.
+
+Only executables compiled in this process are stored. One that jax read back from its own persistent cache (the
+exec entry is missing but jax's is not: after an upgrade changed the source hash, say) serializes incompletely on
+XLA:CPU: the copy loads, then fails at its first run with "Function ... not found". Such a step is used, not stored.
 """
 
 from __future__ import annotations
@@ -21,17 +25,19 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import jaxlib
+from jax import monitoring
 from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the file layout below changes
+FORMAT = 2  # bump when the file layout below changes (2: format 1 entries may hold incomplete executables)
 SUBDIR = "jaxinfer-exec"
 _PACKAGES = ("jaxinfer", "kernels_pallas")  # whose source is part of every key
 
@@ -47,6 +53,22 @@ LOAD_ERRORS = (
     IndexError,
     jax.errors.JaxRuntimeError,
 )
+
+
+# Persistent-cache hits on each thread, counted from jax's monitoring events (compiles report on their own thread).
+_hits = threading.local()
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+monitoring.register_event_listener(_on_event)
+
+
+def _persistent_hits() -> int:
+    return getattr(_hits, "count", 0)
 
 
 @functools.cache
@@ -111,6 +133,7 @@ class ExecutableCache:
         self.directory = Path(directory)
         self.loaded = 0
         self.compiled = 0
+        self.not_stored = 0  # compiled steps jax read from its persistent cache: not serializable whole
 
     @classmethod
     def from_jax_config(cls) -> ExecutableCache | None:
@@ -137,9 +160,14 @@ class ExecutableCache:
                 return fn
             except LOAD_ERRORS as e:
                 log.warning("executable cache: cannot load %s (%s: %s); compiling", path.name, type(e).__name__, e)
+        hits = _persistent_hits()
         fn = jitted.lower(**dynamic, **static).compile()
         self.compiled += 1
-        self._store(path, key, fn)
+        if _persistent_hits() == hits:
+            self._store(path, key, fn)
+        else:
+            self.not_stored += 1
+            log.debug("executable cache: %s came from jax's persistent cache; not stored", path.name)
         return fn
 
     @staticmethod

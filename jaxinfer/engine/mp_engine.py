@@ -80,8 +80,8 @@ class _Validator:
     def __init__(self, facts: dict):
         from jaxinfer.cache.pages import PageAllocator
         from jaxinfer.config import ModelConfig
+        from jaxinfer.engine.config import CacheConfig
         from jaxinfer.engine.engine import Engine
-        from jaxinfer.engine.runner import CacheConfig
 
         class _Pool:
             pages_for = PageAllocator.pages_for

@@ -14,7 +14,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 import kernels_pallas
 from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.exec_cache import ExecutableCache
 from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
@@ -184,48 +184,6 @@ def resolve_placeholders(ids: jax.Array, feed: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------- runner
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    page_size: int = 16
-    num_pages: int | None = None  # explicit pool size; else sized by jaxinfer.cache.sizing
-    memory_fraction: float = 0.5  # of the device memory left free after the weights (like gpu_memory_utilization)
-    kv_cache_memory: int | None = None  # KV bytes per device at most (CPU default: sizing.CPU_DEFAULT_BUDGET)
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256  # token budget of a mixed step
-    enable_prefix_cache: bool = True
-    max_logprobs: int = 20  # top alternatives computed every step (vLLM's max_logprobs)
-    logit_bias_capacity: int = 512  # logit_bias entries per request, min_tokens' stop-id bans included
-    kv_cache_dtype: str | None = None  # the KV pool's dtype; None: the model's
-    # Conversations that keep their KV (jaxinfer.cache.sessions): how long a finished turn's pages stay pinned,
-    # and how many pages all sessions may pin together (None: a quarter of the pool; 0: sessions off).
-    session_ttl: float = 300.0
-    session_cache_pages: int | None = None
-    # Host memory for KV pages the pool gives up (jaxinfer.cache.host_tier), bytes per replica; None: 1 GiB on
-    # GPU/TPU, off on CPU (where host and device memory are the same); 0: off.
-    host_kv_cache_memory: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.page_size < 1 or self.max_model_len < 1 or self.max_num_seqs < 1:
-            raise ValueError("page_size, max_model_len and max_num_seqs must be >= 1")
-        if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
-        if not self.session_ttl > 0:
-            raise ValueError(f"session_ttl must be > 0 seconds, got {self.session_ttl}")
-        if self.session_cache_pages is not None and self.session_cache_pages < 0:
-            raise ValueError(f"session_cache_pages must be >= 0, got {self.session_cache_pages}")
-        if self.host_kv_cache_memory is not None and self.host_kv_cache_memory < 0:
-            raise ValueError(f"host_kv_cache_memory must be >= 0 bytes, got {self.host_kv_cache_memory}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs a token slot)")
-
-    @property
-    def pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
-
-
 def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str | None = None) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_cache_dtype or cfg.dtype).itemsize
 
@@ -253,12 +211,12 @@ def size_pool(cfg: ModelConfig, cc: CacheConfig, mesh: Mesh | None = None) -> Po
     kv_shards = mesh.shape[MODEL] if mesh is not None else 1
     itemsize = jnp.dtype(cc.kv_cache_dtype or cfg.dtype).itemsize
     page_bytes = page_bytes_per_device(
-        cc.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, itemsize, kv_shards
+        cc.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, itemsize, kv_shards
     )
     return size_kv_pool(
-        backend=devices[0].platform, page_bytes=page_bytes, page_size=cc.page_size, max_num_seqs=cc.max_num_seqs,
+        backend=devices[0].platform, page_bytes=page_bytes, page_size=cc.block_size, max_num_seqs=cc.max_num_seqs,
         max_model_len=cc.max_model_len, free_bytes_per_device=_free_bytes(devices),
-        memory_fraction=cc.memory_fraction, budget=cc.kv_cache_memory,
+        gpu_memory_utilization=cc.gpu_memory_utilization, budget=cc.kv_cache_memory,
     )  # fmt: skip
 
 
@@ -278,12 +236,12 @@ class ModelRunner:
         self.num_pages = sized.num_pages
         self.followers = None  # a jaxinfer.distributed.Followers on the lead process of a multi-process mesh
         self.timeline: StepTimeline | None = None  # set to record when each step ran (benchmarks, metrics)
-        self.packer = StepPacker(cache.pages_per_seq, cache.page_size, cache.max_num_seqs)
+        self.packer = StepPacker(cache.pages_per_seq, cache.block_size, cache.max_num_seqs)
         if jax.process_count() > 1:
             from jaxinfer.distributed import agree_on
 
             self.num_pages = agree_on(self.num_pages)  # free memory differs between hosts; the pools may not
-        shape = (self.num_pages, cache.page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (self.num_pages, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Split once: the steps take the weights as a flat list and merge inside (jaxinfer.model.functional).
         self.model_def, self.weights = split_model(cfg, params)
         if mesh is None:
@@ -311,8 +269,8 @@ class ModelRunner:
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB in all); up to %d sequences of %d tokens. "
             "Chosen: %s",
-            self.num_pages, cache.page_size, self.num_pages * cache.page_size,
-            self.num_pages * cache.page_size * kv_bytes_per_token(cfg, cache.kv_cache_dtype) / 2**20,
+            self.num_pages, cache.block_size, self.num_pages * cache.block_size,
+            self.num_pages * cache.block_size * kv_bytes_per_token(cfg, cache.kv_cache_dtype) / 2**20,
             cache.max_num_seqs, cache.max_model_len, sized.reason,
         )  # fmt: skip
         self._log_startup(kv_dtype.name)
@@ -328,7 +286,7 @@ class ModelRunner:
             "%s",
             describe_attention(
                 self.cfg.num_heads // tp, self.cfg.num_kv_heads // tp, self.cfg.head_dim, kv_dtype, self.num_pages,
-                self.cc.page_size, self.cc.max_num_seqs, self.cc.max_num_batched_tokens, self.attn_impl,
+                self.cc.block_size, self.cc.max_num_seqs, self.cc.max_num_batched_tokens, self.attn_impl,
                 self.cc.pages_per_seq,
             ),
         )  # fmt: skip
@@ -352,7 +310,7 @@ class ModelRunner:
 
     @property
     def num_kv_tokens(self) -> int:
-        return self.num_pages * self.cc.page_size
+        return self.num_pages * self.cc.block_size
 
     def bucket_for(self, num_seqs: int, num_tokens: int) -> tuple[bool, int, int]:
         """(decode_only, T, S) of the compiled step that serves this batch."""
@@ -431,7 +389,7 @@ class ModelRunner:
         for adv in (False, True) if advanced else (False,):
             for plp in (False, True) if prompt_logprobs else (False,):
                 for decode_only, t, s in shapes:
-                    inp = pack([], t, s, self.cc.pages_per_seq, self.cc.page_size)
+                    inp = pack([], t, s, self.cc.pages_per_seq, self.cc.block_size)
                     st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
                     out, _ = self.launch(inp, st, decode_only, adv, plp)
                     done += 1
@@ -442,5 +400,6 @@ class ModelRunner:
         jax.block_until_ready(out)
         if self.exec_cache is not None:
             ec = self.exec_cache
-            log.info("executable cache %s: %d steps loaded, %d compiled", ec.directory, ec.loaded, ec.compiled)
+            log.info("executable cache %s: %d steps loaded, %d compiled (%d of them read from jax's cache, not stored)",
+                     ec.directory, ec.loaded, ec.compiled, ec.not_stored)  # fmt: skip
         return time.perf_counter() - t0

@@ -42,21 +42,25 @@ def record_line(rec: RequestRecord) -> dict:
 
 class AccessLog:
     def __init__(self, enabled: bool = True, path: str | None = None):
+        """path: this app's own file, written through its own handler (the shared logger is left alone, so that
+        several apps in one process, as in tests, keep their lines apart)."""
         self.enabled = enabled
         self.logger = logging.getLogger(ACCESS_LOGGER)
-        self._handler: logging.Handler | None = None
+        self._file: logging.Handler | None = None
         if enabled and path:
-            self._handler = logging.FileHandler(path)
-            self._handler.setFormatter(logging.Formatter("%(message)s"))
-            self.logger.addHandler(self._handler)
-            self.logger.propagate = False
-        if enabled:
-            self.logger.setLevel(logging.INFO)
+            self._file = logging.FileHandler(path)
+            self._file.setFormatter(logging.Formatter("%(message)s"))
+        elif enabled and self.logger.level == logging.NOTSET:
+            self.logger.setLevel(logging.INFO)  # shown whatever --log-level says; --no-access-log turns it off
 
     def write(self, line: dict) -> None:
-        if self.enabled:
-            line = {"time": round(time.time(), 3), **line}
-            self.logger.info("%s", json.dumps(line, ensure_ascii=False, separators=(",", ":")))
+        if not self.enabled:
+            return
+        text = json.dumps({"time": round(time.time(), 3), **line}, ensure_ascii=False, separators=(",", ":"))
+        if self._file is not None:
+            self._file.handle(self.logger.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, text, (), None))
+        else:
+            self.logger.info("%s", text)
 
     def request(self, rec: RequestRecord) -> None:
         self.write(record_line(rec))
@@ -65,8 +69,6 @@ class AccessLog:
         self.write({"id": request_id, "key_id": key_id, "endpoint": endpoint, "status": status, "error": code})
 
     def close(self) -> None:
-        if self._handler is not None:
-            self.logger.removeHandler(self._handler)
-            self.logger.propagate = True
-            self._handler.close()
-            self._handler = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None

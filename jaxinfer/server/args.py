@@ -8,31 +8,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxinfer.device import DEVICE_ENV, DEVICES, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.model_files import DEFAULT_MODEL
+from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineArgs
 
 API_KEY_ENV = "JAXINFER_API_KEY"
 CHAT_TRUNCATION = ("off", "oldest")  # jaxinfer.server.truncation
 
 
-@dataclass
-class ServerArgs:
-    model: str = DEFAULT_MODEL
+@dataclass(frozen=True)
+class ServerArgs(EngineArgs):
+    """The engine's settings (EngineArgs: model, dtype, max_num_seqs, ...) and the HTTP server's own."""
+
     served_model_name: list[str] = field(default_factory=list)  # empty: the --model string
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    device: str | None = None  # None: $JAXINFER_DEVICE, else what $JAX_PLATFORMS asks for, else auto
-    max_model_len: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float = 0.5
-    num_kv_tokens: int | None = None
-    kv_cache_memory: int | None = None  # KV bytes per device at most (see jaxinfer.cache.sizing)
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_logprobs: int = 20
-    seed: int | None = None
     api_key: str | None = None
     api_keys_file: str | None = None  # JSON Lines of keys with limits (jaxinfer.server.keys), reloaded on SIGHUP
     access_log: bool = True
@@ -40,14 +28,10 @@ class ServerArgs:
     otlp_traces_endpoint: str | None = None
     max_waiting: int | None = None
     log_level: str = "info"
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
     coordinator_address: str | None = None
     num_processes: int = 1
     process_id: int | None = None
     graceful_shutdown_timeout: float = 30.0
-    compilation_cache_dir: str | None = None
-    enable_compilation_cache: bool = True
     max_body_bytes: int = 4 * 2**20
     # Fan-out caps: what one request may make the server hold (each past its cap is a 400 naming the parameter).
     max_n: int = 128  # samples per prompt (OpenAI's own bound)
@@ -61,12 +45,6 @@ class ServerArgs:
     max_stream_buffer: int = 1024
     tokenizer_threads: int = 4  # tokenization, chat templates and validation off the event loop
     engine_process: bool = True  # the engine core in its own process (ignored with an injected loader)
-    overlap_scheduling: bool = True  # dispatch each step before reading the previous one's tokens
-    step_timeline: bool = False  # time every step (device busy / idle, host) for /metrics
-    # Conversations that keep their KV (X-Session-Id or `user`): see jaxinfer.cache.sessions and host_tier.
-    session_ttl: float = 300.0
-    session_cache_pages: int | None = None  # None: a quarter of the pool
-    host_kv_cache_memory: int | None = None  # None: 1 GiB on GPU/TPU, off on CPU
     chat_truncation: str = "off"  # "oldest": drop a chat's oldest turns instead of a 400 when it does not fit
     filters_config: str | None = None  # JSON file of input/output content filters (jaxinfer.server.filters)
 
@@ -114,159 +92,88 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="serve.py", description="OpenAI-compatible HTTP server for jaxinfer models.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name, .gguf file, HF directory or checkpoint")
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=[],
-        help="name(s) clients use in the `model` field (default: the --model string)",
-    )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of EngineArgs (what `LLM(...)` takes), with its defaults: shared by `serve` and `generate`."""
+    D = EngineArgs
+    p.add_argument("--model", default=D.model, help="preset name, .gguf file, HF directory or checkpoint")
     p.add_argument(
         "--dtype",
-        default="auto",
+        default=D.dtype,
         choices=DTYPES,
         help="weights and activations; auto: float32 on CPU, the checkpoint's (or bfloat16) on GPU/TPU",
     )
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache; auto: as --dtype")
+    p.add_argument("--kv-cache-dtype", default=D.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV cache; auto: as --dtype")  # fmt: skip
     p.add_argument(
         "--device",
-        default=None,
+        default=D.device,
         choices=DEVICES,
         help=f"fail at start-up unless jax runs on this backend (default: ${DEVICE_ENV}, else JAX_PLATFORMS's first)",
     )
     p.add_argument(
         "--max-model-len",
         type=_positive_int,
-        default=None,
-        help="context length (default: the model's, capped at 4096)",
+        default=D.max_model_len,
+        help=f"context length (default: the model's, capped at {DEFAULT_MAX_MODEL_LEN_CAP})",
     )
-    p.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="token budget of one step")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=D.max_num_seqs, help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=D.max_num_batched_tokens,
+                   help="token budget of one step")  # fmt: skip
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.5,
+        default=D.gpu_memory_utilization,
         help="fraction of the free device memory given to the KV cache",
     )
     p.add_argument(
         "--num-kv-tokens",
         type=_positive_int,
-        default=None,
+        default=D.num_kv_tokens,
         help="explicit KV pool size in tokens (overrides --gpu-memory-utilization)",
     )
     p.add_argument(
         "--kv-cache-memory",
         type=_byte_size,
-        default=None,
+        default=D.kv_cache_memory,
         help="most KV cache bytes per device, e.g. 4GiB or 2000000000 (CPU default: what the scheduler can "
         "address, at most 1.5GiB)",
     )
-    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV page")
+    p.add_argument("--block-size", type=_positive_int, default=D.block_size, help="tokens per KV page")
     sessions = p.add_argument_group(
         "sessions (a request's X-Session-Id header, else its `user` field, keeps the conversation's KV pages)"
     )
     sessions.add_argument(
         "--session-ttl",
         type=_positive_float,
-        default=300.0,
+        default=D.session_ttl,
         help="seconds a finished turn's KV pages stay pinned for the session's next turn",
     )
     sessions.add_argument(
         "--session-cache-pages",
         type=_non_negative_int,
-        default=None,
+        default=D.session_cache_pages,
         help="most KV pages all sessions pin together; the least recently used go first (default: a quarter of the"
         " pool; 0: sessions off)",
     )
     sessions.add_argument(
         "--host-kv-cache-memory",
         type=_byte_size_or_zero,
-        default=None,
+        default=D.host_kv_cache_memory,
         help="host memory per replica for prefix KV pages the device pool gives up, copied back on a hit instead of"
         " recomputed, e.g. 8GiB (default: 1GiB on GPU/TPU, off on CPU; 0: off)",
     )
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--max-logprobs", type=_positive_int, default=20,
+    p.add_argument("--max-logprobs", type=_positive_int, default=D.max_logprobs,
                    help="most top alternatives a request may ask for (computed every step)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=None, help="seed for requests that bring none")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require `Authorization: Bearer KEY` on /v1 and /(de)tokenize (default: ${API_KEY_ENV})",
-    )
-    p.add_argument(
-        "--api-keys-file",
-        default=None,
-        help='JSON Lines file of API keys, one {"id", "key", "rpm", "tpm", "max_concurrent"} object a line'
-        " (limits optional: requests/tokens per minute, requests in flight; over one: 429); read again on SIGHUP."
-        " Works beside --api-key (id `default`, no limits)",
-    )
-    p.add_argument(
-        "--access-log",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="one JSON line per request on the `jaxinfer.access` logger (id, key id, tokens, queue time, TTFT,"
-        " end-to-end time, finish reasons); --no-access-log: none",
-    )
-    p.add_argument("--access-log-file", default=None,
-                   help="write the access log's JSON lines to this file instead of stderr")  # fmt: skip
-    p.add_argument(
-        "--otlp-traces-endpoint",
-        default=None,
-        help="send OpenTelemetry traces of every request (queue, prefill chunks, decode, detokenize) to this OTLP"
-        " endpoint (gRPC; $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP); needs jaxinfer[otel]",
-    )
-    p.add_argument(
-        "--max-waiting",
-        type=int,
-        default=None,
-        help="sequences (prompts x n) that may wait for a first token; more get 429 (default: no bound)",
-    )
-    caps = p.add_argument_group("per-request bounds (each past its bound is a 400 naming the parameter)")
-    caps.add_argument("--max-n", type=_positive_int, default=128, help="most samples per prompt (n)")
-    caps.add_argument("--max-prompts", type=_positive_int, default=256, help="most prompts in one completions request")
-    caps.add_argument("--max-stop", type=_positive_int, default=16, help="most stop strings")
-    caps.add_argument("--max-stop-len", type=_positive_int, default=256, help="most characters in one stop string")
-    caps.add_argument("--max-stop-token-ids", type=_positive_int, default=256, help="most stop_token_ids")
-    caps.add_argument("--stream-stall-timeout", type=_positive_float, default=60.0,
-                      help="seconds a stream may make no progress while output waits for its client (a client that"
-                      " stopped reading) before its request is aborted")  # fmt: skip
-    caps.add_argument("--max-stream-buffer", type=_positive_int, default=1024,
-                      help="outputs that may wait for a stream's client before its request is aborted")  # fmt: skip
-    caps.add_argument("--tokenizer-threads", type=_positive_int, default=4,
-                      help="threads for tokenization, chat templates and validation (off the event loop)")  # fmt: skip
-    policy = p.add_argument_group("serving policies (docs/guides/serving-policies.md)")
-    policy.add_argument("--chat-truncation", default="off", choices=CHAT_TRUNCATION,
-                        help="a chat whose prompt plus max_tokens exceeds the context: off answers 400"
-                        " (context_length_exceeded); oldest drops its oldest turns, keeping the system prompt and"
-                        " the last user message, and reports them in usage.truncated_messages")  # fmt: skip
-    policy.add_argument("--filters-config", default=None, metavar="PATH",
-                        help="JSON file of content filters run on prompts (a blocked one is a 400, code"
-                        " content_filter) and on generated text (held until it passes; a blocked choice ends with"
-                        " finish_reason content_filter)")  # fmt: skip
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="devices each replica spans")
-    p.add_argument("--data-parallel-size", type=_positive_int, default=1, help="model replicas in this process")
-    p.add_argument("--coordinator-address", default=None,
-                   help="multi-host: HOST:PORT of process 0 (with --num-processes and --process-id)")  # fmt: skip
-    p.add_argument("--num-processes", type=_positive_int, default=1, help="multi-host: number of processes")
-    p.add_argument("--process-id", type=int, default=None,
-                   help="multi-host: this process's rank (0 serves HTTP); found by jax on TPU pods, SLURM")  # fmt: skip
-    p.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the engine core (scheduler, device steps) in its own process, away from HTTP and detokenization;"
-        " --no-engine-process runs it on a thread of the server process (multi-host always does)",
-    )
+    p.add_argument("--seed", type=int, default=D.seed, help="seed for requests that bring none")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=D.tensor_parallel_size,
+                   help="devices each replica spans")  # fmt: skip
+    p.add_argument("--data-parallel-size", type=_positive_int, default=D.data_parallel_size,
+                   help="model replicas in this process")  # fmt: skip
     p.add_argument(
         "--overlap-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=D.overlap_scheduling,
         help="dispatch each step before the previous step's tokens reach the host, so scheduling, detokenization and"
         " streaming overlap the device (same outputs; --no-overlap-scheduling runs the plain loop, for debugging)",
     )
@@ -277,14 +184,8 @@ def make_parser() -> argparse.ArgumentParser:
         " and idle time per step on /metrics (jaxinfer:device_idle_share, jaxinfer:step_*_ms)",
     )
     p.add_argument(
-        "--graceful-shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds SIGTERM waits for in-flight requests before aborting them",
-    )
-    p.add_argument(
         "--compilation-cache-dir",
-        default=None,
+        default=D.compilation_cache_dir,
         help="persistent XLA cache (default: $JAXINFER_COMPILE_CACHE or ~/.cache/jaxinfer/xla)",
     )
     p.add_argument(
@@ -292,6 +193,103 @@ def make_parser() -> argparse.ArgumentParser:
         dest="enable_compilation_cache",
         action="store_false",
         help="compile every step afresh at start-up",
+    )
+
+
+def engine_args(ns: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs in a namespace parsed with add_engine_flags."""
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.names()})
+
+
+def make_parser() -> argparse.ArgumentParser:
+    D = ServerArgs
+    p = argparse.ArgumentParser(prog="serve.py", description="OpenAI-compatible HTTP server for jaxinfer models.")
+    add_engine_flags(p)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        help="name(s) clients use in the `model` field (default: the --model string)",
+    )
+    p.add_argument("--host", default=D.host)
+    p.add_argument("--port", type=int, default=D.port)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or D.api_key,
+        help=f"require `Authorization: Bearer KEY` on /v1 and /(de)tokenize (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=D.api_keys_file,
+        help='JSON Lines file of API keys, one {"id", "key", "rpm", "tpm", "max_concurrent"} object a line'
+        " (limits optional: requests/tokens per minute, requests in flight; over one: 429); read again on SIGHUP."
+        " Works beside --api-key (id `default`, no limits)",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=D.access_log,
+        help="one JSON line per request on the `jaxinfer.access` logger (id, key id, tokens, queue time, TTFT,"
+        " end-to-end time, finish reasons); --no-access-log: none",
+    )
+    p.add_argument("--access-log-file", default=D.access_log_file,
+                   help="write the access log's JSON lines to this file instead of stderr")  # fmt: skip
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=D.otlp_traces_endpoint,
+        help="send OpenTelemetry traces of every request (queue, prefill chunks, decode, detokenize) to this OTLP"
+        " endpoint (gRPC; $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP); needs jaxinfer[otel]",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=D.max_waiting,
+        help="sequences (prompts x n) that may wait for a first token; more get 429 (default: no bound)",
+    )
+    caps = p.add_argument_group("per-request bounds (each past its bound is a 400 naming the parameter)")
+    caps.add_argument("--max-n", type=_positive_int, default=D.max_n, help="most samples per prompt (n)")
+    caps.add_argument("--max-prompts", type=_positive_int, default=D.max_prompts,
+                      help="most prompts in one completions request")  # fmt: skip
+    caps.add_argument("--max-stop", type=_positive_int, default=D.max_stop, help="most stop strings")
+    caps.add_argument("--max-stop-len", type=_positive_int, default=D.max_stop_len,
+                      help="most characters in one stop string")  # fmt: skip
+    caps.add_argument("--max-stop-token-ids", type=_positive_int, default=D.max_stop_token_ids,
+                      help="most stop_token_ids")  # fmt: skip
+    caps.add_argument("--stream-stall-timeout", type=_positive_float, default=D.stream_stall_timeout,
+                      help="seconds a stream may make no progress while output waits for its client (a client that"
+                      " stopped reading) before its request is aborted")  # fmt: skip
+    caps.add_argument("--max-stream-buffer", type=_positive_int, default=D.max_stream_buffer,
+                      help="outputs that may wait for a stream's client before its request is aborted")  # fmt: skip
+    caps.add_argument("--tokenizer-threads", type=_positive_int, default=D.tokenizer_threads,
+                      help="threads for tokenization, chat templates and validation (off the event loop)")  # fmt: skip
+    policy = p.add_argument_group("serving policies (docs/guides/serving-policies.md)")
+    policy.add_argument("--chat-truncation", default=D.chat_truncation, choices=CHAT_TRUNCATION,
+                        help="a chat whose prompt plus max_tokens exceeds the context: off answers 400"
+                        " (context_length_exceeded); oldest drops its oldest turns, keeping the system prompt and"
+                        " the last user message, and reports them in usage.truncated_messages")  # fmt: skip
+    policy.add_argument("--filters-config", default=D.filters_config, metavar="PATH",
+                        help="JSON file of content filters run on prompts (a blocked one is a 400, code"
+                        " content_filter) and on generated text (held until it passes; a blocked choice ends with"
+                        " finish_reason content_filter)")  # fmt: skip
+    p.add_argument("--log-level", default=D.log_level, choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--coordinator-address", default=D.coordinator_address,
+                   help="multi-host: HOST:PORT of process 0 (with --num-processes and --process-id)")  # fmt: skip
+    p.add_argument("--num-processes", type=_positive_int, default=D.num_processes,
+                   help="multi-host: number of processes")  # fmt: skip
+    p.add_argument("--process-id", type=int, default=D.process_id,
+                   help="multi-host: this process's rank (0 serves HTTP); found by jax on TPU pods, SLURM")  # fmt: skip
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=D.engine_process,
+        help="run the engine core (scheduler, device steps) in its own process, away from HTTP and detokenization;"
+        " --no-engine-process runs it on a thread of the server process (multi-host always does)",
+    )
+    p.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=D.graceful_shutdown_timeout,
+        help="seconds SIGTERM waits for in-flight requests before aborting them",
     )
     return p
 

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import APIError
-from jaxinfer.server.loader import build_engine
 
 if TYPE_CHECKING:
     from jaxinfer.engine.async_engine import AsyncEngine
@@ -29,6 +28,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Loader = Callable[[ServerArgs], tuple[Any, "Tokenizer"]]  # -> (Engine, Tokenizer)
+
+
+def _build_engine(args: ServerArgs) -> tuple[Any, Tokenizer]:
+    """The in-process engine: `jaxinfer.engine.build.build_engine`, imported here so that jax loads only when an
+    engine does (the HTTP side starts listening first)."""
+    from jaxinfer.engine.build import build_engine
+
+    return build_engine(args)
 
 
 class Phase(enum.Enum):
@@ -46,7 +53,7 @@ class ServerState:
         self.engine_process = (
             loader is None and args.engine_process and args.num_processes == 1 and args.coordinator_address is None
         )
-        self._loader = loader or build_engine
+        self._loader = loader or _build_engine
         self.phase = Phase.STARTING
         self.error: str | None = None
         self.engine: AsyncEngine | MPAsyncEngine | None = None

@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.runner import CacheConfig, _paged_attend, kv_bytes_per_token, paged_step
+from jaxinfer.engine.config import CacheConfig
+from jaxinfer.engine.runner import _paged_attend, kv_bytes_per_token, paged_step
 from jaxinfer.engine.transfer import from_flat, to_flat
 from jaxinfer.model.functional import split_model
 from jaxinfer.model.transformer import abstract_model
@@ -98,7 +99,7 @@ def pool_pages(cfg: ModelConfig, cc: CacheConfig, hbm_bytes: int, num_devices: i
     free = hbm_bytes * num_devices - weights
     if free <= 0:
         raise ValueError(f"{weights / 2**30:.1f} GiB of weights do not fit {num_devices} x {hbm_bytes / 2**30} GiB")
-    return int(free * cc.memory_fraction) // (kv_bytes_per_token(cfg, cc.kv_cache_dtype) * cc.page_size)
+    return int(free * cc.gpu_memory_utilization) // (kv_bytes_per_token(cfg, cc.kv_cache_dtype) * cc.block_size)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def step_args(case: StepCase, devices: list, tp: int, impl: str) -> tuple[tuple,
     """Abstract arguments of `paged_step` for this case, placed on `devices` (one device, or a tp-way mesh)."""
     cfg, cc = case.cfg, case.cc
     s = cc.max_num_seqs
-    inp = pack([], case.tokens, s, cc.pages_per_seq, cc.page_size)
+    inp = pack([], case.tokens, s, cc.pages_per_seq, cc.block_size)
     st = build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, False)
     flat, layout = to_flat((inp, st))
     if tp == 1:
@@ -136,7 +137,7 @@ def step_args(case: StepCase, devices: list, tp: int, impl: str) -> tuple[tuple,
 
     state = nnx.map_state(place, abstract_model(cfg)[1])
     model_def, weights = split_model(cfg, state)
-    kv_shape = (case.num_pages, cc.page_size, cfg.num_kv_heads, cfg.head_dim)
+    kv_shape = (case.num_pages, cc.block_size, cfg.num_kv_heads, cfg.head_dim)
     kv_dtype = cc.kv_cache_dtype or cfg.dtype
     kv = [(jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=pool),) * 2 for _ in range(cfg.num_layers)]
     feed = jax.ShapeDtypeStruct((s,), np.int32, sharding=rep)

@@ -40,7 +40,7 @@ from aot_tools import (
 
 from benchmarks.common import SHAPES
 from jaxinfer.config import ModelConfig, RopeConfig
-from jaxinfer.engine.runner import CacheConfig
+from jaxinfer.engine.config import CacheConfig
 from kernels_pallas import decode_gpu, decode_tpu
 
 _HOW = "the AOT compilers live in .venv-aot: `bash scripts/install.sh aot && .venv-aot/bin/python -m pytest tests/aot`"
@@ -128,7 +128,7 @@ def test_tpu_decode_step_copies_no_kv_pool():
     case = _case("smollm2-135m", True, TPU_TOPOLOGIES["v5e:1x1"]["hbm_bytes"], 1)
     hlo = compile_for_tpu(case, "v5e:1x1", whole_step=True)  # the compile test_tpu_whole_paged_step_compiles made
     cfg = case.cfg
-    copies = copies_of(hlo, case.num_pages * case.cc.page_size * cfg.num_kv_heads * cfg.head_dim)
+    copies = copies_of(hlo, case.num_pages * case.cc.block_size * cfg.num_kv_heads * cfg.head_dim)
     assert not copies, f"{len(copies)} pool-sized copies per step, e.g. {copies[:2]}"
 
 

@@ -40,7 +40,7 @@ def test_page_bytes_split_over_kv_shards():
 
 def _cpu(**kw):
     args = dict(backend="cpu", page_bytes=2**20, page_size=16, max_num_seqs=32, max_model_len=4096,
-                free_bytes_per_device=[64 * GiB], memory_fraction=0.5, budget=None)  # fmt: skip
+                free_bytes_per_device=[64 * GiB], gpu_memory_utilization=0.5, budget=None)  # fmt: skip
     return size_kv_pool(**{**args, **kw})
 
 
@@ -67,21 +67,21 @@ def test_cpu_budget_flag_caps_the_pool(budget):
 def test_cpu_small_host_caps_by_fraction():
     got = _cpu(free_bytes_per_device=[GiB])
     assert got.num_pages == GiB // 2 // 2**20
-    assert "memory_fraction" in got.reason
+    assert "gpu_memory_utilization" in got.reason
 
 
 def test_accelerator_uses_the_tightest_device_per_device_bytes():
     free = [80 * GiB, 70 * GiB, 75 * GiB, 79 * GiB]
     tp1 = size_kv_pool(backend="gpu", page_bytes=2**20, page_size=16, max_num_seqs=8, max_model_len=128,
-                       free_bytes_per_device=free[:1], memory_fraction=0.9)  # fmt: skip
+                       free_bytes_per_device=free[:1], gpu_memory_utilization=0.9)  # fmt: skip
     assert tp1.num_pages == int(80 * GiB * 0.9) // 2**20  # not bounded by what the scheduler addresses
     # Under TP=4 a device holds a quarter of each page, so the same memory holds 4x the pages, and the tightest
     # device (70 GiB) decides.
     tp4 = size_kv_pool(backend="gpu", page_bytes=2**18, page_size=16, max_num_seqs=8, max_model_len=128,
-                       free_bytes_per_device=free, memory_fraction=0.9)  # fmt: skip
+                       free_bytes_per_device=free, gpu_memory_utilization=0.9)  # fmt: skip
     assert tp4.num_pages == int(70 * GiB * 0.9) // 2**18
     capped = size_kv_pool(backend="tpu", page_bytes=2**18, page_size=16, max_num_seqs=8, max_model_len=128,
-                          free_bytes_per_device=free, memory_fraction=0.9, budget=GiB)  # fmt: skip
+                          free_bytes_per_device=free, gpu_memory_utilization=0.9, budget=GiB)  # fmt: skip
     assert capped.num_pages == GiB // 2**18 and "per device" in capped.reason
 
 

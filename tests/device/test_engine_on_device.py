@@ -7,15 +7,16 @@ import jax
 import numpy as np
 import pytest
 
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import CacheConfig, compile_count
+from jaxinfer.engine.runner import compile_count
 from jaxinfer.generate import generate_tokens
 from jaxinfer.model_files import smollm2_gguf
 from jaxinfer.types import SamplingParams
 from jaxinfer.weights import load_weights
 
 NEW = 16
-CC = CacheConfig(page_size=16, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
+CC = CacheConfig(block_size=16, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
 
 
 @pytest.fixture(scope="module")

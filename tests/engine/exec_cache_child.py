@@ -13,14 +13,14 @@ def main(cache_dir: str, norm_eps: float) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     enable_compilation_cache(cache_dir)
     from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.config import CacheConfig
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.engine.runner import CacheConfig
     from jaxinfer.model import init_params
     from jaxinfer.types import SamplingParams
 
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, max_position_embeddings=256, norm_eps=norm_eps)  # fmt: skip
-    cache = CacheConfig(page_size=4, num_pages=40, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+    cache = CacheConfig(block_size=4, num_pages=40, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
     eng = Engine(cfg, init_params(cfg, seed=0, std=0.5), cache, eos_token_ids=(), seed=0)
     before = compile_count()  # the pool's zero-fill and init_params' ops are compiled (or cache-read) above
     eng.runner.warmup(advanced=False)
@@ -32,6 +32,7 @@ def main(cache_dir: str, norm_eps: float) -> None:
         "step_compiles": compile_count() - before,
         "loaded": ec.loaded,
         "compiled": ec.compiled,
+        "not_stored": ec.not_stored,
         "tokens": [o[0].output_token_ids for o in outs],
     }))  # fmt: skip
 

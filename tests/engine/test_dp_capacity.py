@@ -17,8 +17,9 @@ def test_unequal_replicas_route_by_capacity(monkeypatch):
 
     from jaxinfer.config import ModelConfig
     from jaxinfer.engine import runner
+    from jaxinfer.engine.config import CacheConfig
     from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
-    from jaxinfer.engine.runner import CacheConfig, kv_bytes_per_token
+    from jaxinfer.engine.runner import kv_bytes_per_token
     from jaxinfer.model import init_params
     from jaxinfer.sharding import make_mesh
     from jaxinfer.types import SamplingParams
@@ -26,8 +27,9 @@ def test_unequal_replicas_route_by_capacity(monkeypatch):
     assert jax.device_count() == 8
     cfg = ModelConfig(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
                       num_kv_heads=8, head_dim=8, max_position_embeddings=256)  # fmt: skip
-    cc = CacheConfig(page_size=8, max_model_len=200, max_num_seqs=4, max_num_batched_tokens=32, memory_fraction=0.5)
-    page_bytes = kv_bytes_per_token(cfg) * cc.page_size
+    cc = CacheConfig(block_size=8, max_model_len=200, max_num_seqs=4, max_num_batched_tokens=32,
+                     gpu_memory_utilization=0.5)  # fmt: skip
+    page_bytes = kv_bytes_per_token(cfg) * cc.block_size
     free = iter([2 * 6 * page_bytes, 2 * 24 * page_bytes])  # replica 0: 6 pages (48 tokens), replica 1: 24 (192)
     monkeypatch.setattr(runner, "_free_bytes", lambda devices: [next(free)] * len(devices))
     mesh = make_mesh(1, 2)

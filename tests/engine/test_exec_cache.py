@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,23 @@ def test_mismatched_entry_is_refused(tmp_path, caplog):
         fn = cache.load_or_compile(_double, other, {})
     assert "key mismatch" in caplog.text and cache.compiled == 2 and cache.loaded == 0
     np.testing.assert_array_equal(fn(**other), 2 * np.arange(4.0))
+
+
+def test_steps_read_from_jax_cache_are_not_stored(cold, tmp_path):
+    """The exec entries gone but jax's cache warm (an upgrade changed the source hash): jax reads each step back
+    from its cache, and such an executable serializes incompletely on XLA:CPU (its copy failed at the first run with
+    "Function ... not found"). It is used but not stored, so the next start reads jax's cache again instead of
+    crashing, with the same tokens. Runs on the cold dir itself (jax's keys depend on the cache's path), with its
+    exec entries moved aside and put back."""
+    cache_dir, first = cold
+    entries, aside = cache_dir / exec_cache.SUBDIR, tmp_path / "aside"
+    entries.rename(aside)
+    try:
+        second, _ = _child(cache_dir)
+        assert second["loaded"] == 0 and second["not_stored"] == second["compiled"] == first["compiled"], second
+        assert not list(entries.glob("*.exec"))
+        third, _ = _child(cache_dir)
+        assert third["tokens"] == second["tokens"] == first["tokens"]
+    finally:
+        shutil.rmtree(entries, ignore_errors=True)
+        aside.rename(entries)

@@ -9,13 +9,13 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import FAULT_REQUEST_ENV, Engine, EngineFatalError
-from jaxinfer.engine.runner import CacheConfig
 from jaxinfer.model import init_params
 
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=256)  # fmt: skip
-CACHE = CacheConfig(page_size=4, num_pages=64, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
+CACHE = CacheConfig(block_size=4, num_pages=64, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")

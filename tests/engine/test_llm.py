@@ -11,8 +11,8 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.async_engine import AsyncEngine
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import CacheConfig
 from jaxinfer.model import init_params
 from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
 
@@ -163,7 +163,7 @@ def tiny():
 
 def test_thousand_requests_with_random_aborts_return_every_page(tiny):
     cfg, params = tiny
-    eng = Engine(cfg, params, CacheConfig(page_size=4, num_pages=48, max_model_len=64, max_num_seqs=16,
+    eng = Engine(cfg, params, CacheConfig(block_size=4, num_pages=48, max_model_len=64, max_num_seqs=16,
                                           max_num_batched_tokens=64), eos_token_ids=(0,))  # fmt: skip
     rng = np.random.default_rng(0)
     live: list[str] = []
@@ -185,7 +185,7 @@ def test_async_engine_streams_and_aborts(tiny):
     from jaxinfer.tokenizer import load_tokenizer
 
     cfg, params = tiny
-    eng = Engine(cfg, params, CacheConfig(page_size=4, num_pages=64, max_model_len=64, max_num_seqs=8,
+    eng = Engine(cfg, params, CacheConfig(block_size=4, num_pages=64, max_model_len=64, max_num_seqs=8,
                                           max_num_batched_tokens=32))  # fmt: skip
     tok = load_tokenizer(smollm2_gguf())  # any tokenizer: the tiny model's ids are < 64
     ae = AsyncEngine(eng, tok)

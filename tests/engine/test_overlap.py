@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import CacheConfig
 from jaxinfer.model import init_params
 from jaxinfer.model_files import smollm2_gguf
 from jaxinfer.weights import load_model
@@ -68,9 +68,9 @@ def _run(loaded, overlap: bool, cache: CacheConfig, prompts, params):
 @pytest.mark.parametrize(
     "cache",
     [
-        CacheConfig(page_size=16, num_pages=512, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128),
+        CacheConfig(block_size=16, num_pages=512, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128),
         # A pool of 40 pages for 16 running sequences: requests are preempted and recomputed.
-        CacheConfig(page_size=8, num_pages=40, max_model_len=320, max_num_seqs=16, max_num_batched_tokens=64),
+        CacheConfig(block_size=8, num_pages=40, max_model_len=320, max_num_seqs=16, max_num_batched_tokens=64),
     ],
     ids=["roomy", "preempting"],
 )
@@ -102,7 +102,7 @@ def test_a_sequence_that_ends_in_flight_wastes_one_slot_and_nothing_else(smol):
     """With overlap a sequence that samples its stop token at step N is already in step N+1: that step's token for
     it is dropped and its pages are freed as soon as the host reads the stop token."""
     tok = smol.tokenizer
-    cache = CacheConfig(page_size=16, num_pages=64, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    cache = CacheConfig(block_size=16, num_pages=64, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
     eng = Engine(smol.config, smol.params, cache, tok.eos_token_ids, seed=0, overlap=True)
     # Stop on the token greedy decoding picks third: the sequence ends at a known step.
     probe = eng.generate([tok.encode("Hello")], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0][0]
@@ -145,7 +145,7 @@ def test_tiny_random_workload_with_aborts_returns_every_page():
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, max_position_embeddings=256)  # fmt: skip
     params = init_params(cfg, seed=0, std=0.5)
-    cache = CacheConfig(page_size=4, num_pages=40, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
+    cache = CacheConfig(block_size=4, num_pages=40, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
     results = {}
     for overlap in (True, False):
         eng = Engine(cfg, params, cache, eos_token_ids=(0, 1), seed=0, overlap=overlap)

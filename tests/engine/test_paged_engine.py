@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import CacheConfig, compile_count
+from jaxinfer.engine.runner import compile_count
 from jaxinfer.generate import generate_tokens
 from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
 from jaxinfer.types import SamplingParams
@@ -43,7 +44,7 @@ def smol():
 )
 def test_paged_equals_contiguous(model, page_size, budget, max_seqs):
     cfg, params, prompts, ref = model
-    cc = CacheConfig(page_size=page_size, num_pages=64, max_model_len=128, max_num_seqs=max_seqs,
+    cc = CacheConfig(block_size=page_size, num_pages=64, max_model_len=128, max_num_seqs=max_seqs,
                      max_num_batched_tokens=budget)  # fmt: skip
     eng = Engine(cfg, params, cc)
     outs = eng.generate(prompts, GREEDY)
@@ -54,7 +55,7 @@ def test_paged_equals_contiguous(model, page_size, budget, max_seqs):
 def test_preemption_keeps_outputs(smol):
     """A pool too small for all requests at once: requests are preempted and recomputed, outputs unchanged."""
     cfg, params, prompts, ref = smol
-    cc = CacheConfig(page_size=8, num_pages=14, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32)
+    cc = CacheConfig(block_size=8, num_pages=14, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32)
     eng = Engine(cfg, params, cc)
     outs = eng.generate(prompts, GREEDY)
     reqs = [o[0] for o in outs]
@@ -65,7 +66,7 @@ def test_preemption_keeps_outputs(smol):
 
 def test_steady_workload_compiles_nothing_after_warmup(smol):
     cfg, params, prompts, _ = smol
-    cc = CacheConfig(page_size=8, num_pages=96, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    cc = CacheConfig(block_size=8, num_pages=96, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
     eng = Engine(cfg, params, cc)
     eng.runner.warmup()
     before = compile_count()
@@ -80,7 +81,7 @@ def test_steady_workload_compiles_nothing_after_warmup(smol):
 
 def test_abort_returns_pages(smol):
     cfg, params, prompts, _ = smol
-    eng = Engine(cfg, params, CacheConfig(page_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
+    eng = Engine(cfg, params, CacheConfig(block_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
                                           max_num_batched_tokens=32))  # fmt: skip
     ids = [eng.add_request(p, GREEDY) for p in prompts]
     eng.step()
@@ -94,7 +95,7 @@ def test_abort_returns_pages(smol):
 
 def test_bad_requests_are_rejected(smol):
     cfg, params, prompts, _ = smol
-    eng = Engine(cfg, params, CacheConfig(page_size=8, num_pages=8, max_model_len=128, max_num_seqs=4,
+    eng = Engine(cfg, params, CacheConfig(block_size=8, num_pages=8, max_model_len=128, max_num_seqs=4,
                                           max_num_batched_tokens=32))  # fmt: skip
     with pytest.raises(ValueError, match="prompt"):
         eng.add_request([], GREEDY)
@@ -114,10 +115,10 @@ def test_prefix_cache_prefills_only_the_suffix(smol):
     rng = np.random.default_rng(5)
     shared = rng.integers(3, 1000, 40).tolist()
     a, b = shared + [7, 8, 9], shared + [11, 12]
-    cold = Engine(cfg, params, CacheConfig(page_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
-                                           max_num_batched_tokens=64, enable_prefix_cache=False))  # fmt: skip
+    cold = Engine(cfg, params, CacheConfig(block_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
+                                           max_num_batched_tokens=64, enable_prefix_caching=False))  # fmt: skip
     ref_b = cold.generate([b], GREEDY)[0][0].output_token_ids
-    eng = Engine(cfg, params, CacheConfig(page_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
+    eng = Engine(cfg, params, CacheConfig(block_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
                                           max_num_batched_tokens=64))  # fmt: skip
     eng.generate([a], GREEDY)
     before = eng.num_prefilled_tokens
@@ -130,7 +131,7 @@ def test_prefix_cache_prefills_only_the_suffix(smol):
 def test_prefix_cache_eviction_under_pressure(smol):
     """Many distinct prompts through a small pool: cached pages are evicted and reused, outputs stay right."""
     cfg, params, prompts, ref = smol
-    eng = Engine(cfg, params, CacheConfig(page_size=8, num_pages=20, max_model_len=96, max_num_seqs=2,
+    eng = Engine(cfg, params, CacheConfig(block_size=8, num_pages=20, max_model_len=96, max_num_seqs=2,
                                           max_num_batched_tokens=32))  # fmt: skip
     # Forward then backward: the backward pass starts with the most recent prompts, which survived eviction.
     order = list(range(len(prompts))) + list(range(len(prompts)))[::-1]

@@ -9,17 +9,17 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.core_process import pack, unpack, update_from_wire, update_to_wire
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputProcessor
-from jaxinfer.engine.runner import CacheConfig
 from jaxinfer.model import init_params
 from jaxinfer.types import SeqTiming, SeqUpdate
 
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=256)  # fmt: skip
 # A 16-token step budget: a 40-token prompt takes three prefill steps (16 + 16 + 8).
-CACHE = CacheConfig(page_size=4, num_pages=64, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+CACHE = CacheConfig(block_size=4, num_pages=64, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
 PROMPT = [(7 * i) % 61 + 2 for i in range(40)]
 
 
@@ -80,7 +80,7 @@ def test_host_tier_hits_are_reported_per_request():
     """A prompt whose pages were pushed off the device comes back from the host tier: its first token says how
     many of its cached tokens the host tier restored."""
     eng = Engine(CFG, init_params(CFG, seed=0, std=0.5),
-                 CacheConfig(page_size=4, num_pages=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                 CacheConfig(block_size=4, num_pages=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
                              host_kv_cache_memory=1 << 20), (0,), seed=0)  # fmt: skip
     assert eng.host is not None
     assert _first_updates(eng, "cold")[0].timing.num_host_cached_tokens == 0

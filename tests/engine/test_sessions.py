@@ -15,8 +15,9 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import CacheConfig, compile_count
+from jaxinfer.engine.runner import compile_count
 from jaxinfer.model import init_params
 
 CHILD = os.environ.get("JAXINFER_SESSIONS_DP_CHILD") == "1"
@@ -29,7 +30,12 @@ HOST = 1 << 20  # 1 MiB of host tier: 1024 pages of this model
 def _cache(**kw) -> CacheConfig:
     # 20 turns reach ~240 tokens = 60 pages: the session cap (default a quarter of the pool) must hold them.
     base = dict(
-        page_size=4, num_pages=128, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32, session_cache_pages=80
+        block_size=4,
+        num_pages=128,
+        max_model_len=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        session_cache_pages=80,
     )
     return CacheConfig(**{**base, **kw})
 
@@ -53,12 +59,14 @@ def _evict_device_cache(eng: Engine) -> None:
     assert eng.allocator.num_free == eng.allocator.num_pages
 
 
-def _converse(eng: Engine, session: str | None, evict: bool = False) -> tuple[list[list[int]], list[int]]:
+def _converse(
+    eng: Engine, session: str | None, evict: bool = False, turns: int = TURNS
+) -> tuple[list[list[int]], list[int]]:
     """Runs the conversation: each turn's prompt is the previous prompt, its reply and a new message. Returns every
     turn's greedy tokens and prompt tokens computed."""
     prompt: list[int] = []
     outputs, prefilled = [], []
-    for msg in _messages():
+    for msg in _messages()[:turns]:
         prompt = prompt + msg
         before = eng.num_prefilled_tokens
         sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, session_id=session)
@@ -74,7 +82,7 @@ def _converse(eng: Engine, session: str | None, evict: bool = False) -> tuple[li
 @pytest.fixture(scope="module")
 def reference(params):
     """No session and no prefix cache: every turn recomputes its whole prompt."""
-    eng = Engine(CFG, params, _cache(enable_prefix_cache=False), seed=0)
+    eng = Engine(CFG, params, _cache(enable_prefix_caching=False), seed=0)
     outputs, prefilled = _converse(eng, None)
     total = 0
     for msg, out, n in zip(_messages(), outputs, prefilled, strict=True):
@@ -98,7 +106,7 @@ def test_each_turn_prefills_only_its_new_message(params, reference):
 
 
 def test_without_a_prefix_cache_sessions_still_work(params, reference):
-    eng = Engine(CFG, params, _cache(enable_prefix_cache=False), seed=0)
+    eng = Engine(CFG, params, _cache(enable_prefix_caching=False), seed=0)
     outputs, prefilled = _converse(eng, "chat-1")
     assert outputs == reference and prefilled[1:] == [len(m) + 1 for m in _messages()[1:]]
 
@@ -128,6 +136,28 @@ def test_without_the_host_tier_eviction_means_recompute(params, reference):
     assert prefilled[-1] > sum(len(m) for m in _messages()[:-1])  # the whole conversation again
 
 
+def _raise(*args, **kwargs):
+    raise RuntimeError("injected copy failure")
+
+
+def test_a_failed_spill_costs_a_recompute_never_a_token(params, reference, monkeypatch):
+    eng = Engine(CFG, params, _cache(host_kv_cache_memory=HOST), seed=0)
+    monkeypatch.setattr(eng.runner, "gather_pages", _raise)
+    outputs, _ = _converse(eng, "chat-1", evict=True, turns=4)
+    assert outputs == reference[:4] and eng.cache_stats()["host_kv_spills"] == 0
+
+
+def test_a_failed_copy_back_stops_the_engine(params, monkeypatch):
+    from jaxinfer.engine.engine import EngineFatalError
+
+    eng = Engine(CFG, params, _cache(host_kv_cache_memory=HOST), seed=0)
+    _converse(eng, "chat-1", evict=True, turns=2)  # the conversation's pages now live in the host tier only
+    monkeypatch.setattr(eng.runner, "scatter_pages", _raise)
+    prompt = _messages()[0] + [9] * 12  # the first turn's prompt, then more: its full page comes from the host
+    with pytest.raises(EngineFatalError, match="host tier"):
+        eng.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+
+
 def test_ttl_expiry_returns_the_pages(params):
     eng = Engine(CFG, params, _cache(session_ttl=0.2), seed=0)
     eng.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=3, temperature=0, session_id="s"))
@@ -143,6 +173,52 @@ def test_session_cap_zero_turns_sessions_off(params):
     eng = Engine(CFG, params, _cache(session_cache_pages=0), seed=0)
     eng.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=3, temperature=0, session_id="s"))
     assert eng.cache_stats()["sessions"] == 0 and eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_engine_core_loop_expires_and_releases_sessions(params):
+    """The engine process's loop (EngineCore, fed over ZeroMQ as in serving): a pinned session times out while the
+    loop idles, and "shutdown" releases what is still pinned; the pool is full again both times."""
+    import threading
+
+    import zmq
+
+    from jaxinfer.engine.core_process import EngineCore, pack, params_to_wire, unpack
+
+    eng = Engine(CFG, params, _cache(session_ttl=0.5), seed=0)
+    ctx = zmq.Context()
+    commands_in, commands = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    results, results_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    commands_in.bind("inproc://commands")
+    commands.connect("inproc://commands")
+    results.bind("inproc://results")
+    results_out.connect("inproc://results")
+    core = EngineCore(eng, commands_in, results_out)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    sp = params_to_wire(SamplingParams(max_tokens=3, temperature=0, session_id="s"))
+
+    def turn(rid: str) -> dict:
+        commands.send(pack(["add", rid, [5, 6, 7, 8, 9, 10], sp]))
+        while True:
+            msg = unpack(results.recv())
+            if any(u[0] == rid and u[3] for u in msg["u"]):
+                return msg["s"]["cache"]
+
+    try:
+        assert turn("a")["sessions"] == 1
+        deadline = time.monotonic() + 10
+        while eng.cache_stats()["sessions"] and time.monotonic() < deadline:  # idle: the TTL runs out
+            time.sleep(0.1)
+        assert eng.cache_stats()["sessions"] == 0 and eng.allocator.num_free == eng.allocator.num_pages
+        assert turn("b")["sessions"] == 1
+        commands.send(pack(["shutdown"]))
+        loop.join(10)
+        assert not loop.is_alive()
+        assert eng.cache_stats()["sessions"] == 0 and eng.allocator.num_free == eng.allocator.num_pages
+    finally:
+        for sock in (commands_in, commands, results, results_out):
+            sock.close(linger=0)
+        ctx.term()
 
 
 # ---------------------------------------------------------------------------------------------- data parallel

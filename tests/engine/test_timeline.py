@@ -6,8 +6,8 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import CacheConfig
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.model import init_params
 
@@ -16,7 +16,7 @@ from jaxinfer.model import init_params
 def test_every_step_is_recorded_in_order(overlap):
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, max_position_embeddings=128)  # fmt: skip
-    cache = CacheConfig(page_size=4, num_pages=64, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
+    cache = CacheConfig(block_size=4, num_pages=64, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
     eng = Engine(cfg, init_params(cfg, seed=0, std=0.5), cache, overlap=overlap)
     eng.runner.timeline = tl = StepTimeline(max_steps=1000)
     eng.generate([[1, 2, 3, 4, 5]] * 6, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))

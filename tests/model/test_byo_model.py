@@ -14,13 +14,14 @@ import pytest
 from flax import nnx
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.llm import build_engine
+from jaxinfer.engine.build import build_engine
+from jaxinfer.engine.config import EngineArgs
 from jaxinfer.model.protocol import ProtocolError, check_model
 from tests.model.byo_model import CONFIG, ParallelLM, model
 
 TOKENIZER = "smollm2-135m-instruct"
 SETTINGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=8, num_kv_tokens=256,
-                compilation_cache=False)  # fmt: skip
+                enable_compilation_cache=False)  # fmt: skip
 NEW = 8
 
 
@@ -73,11 +74,11 @@ def test_user_module_paged_greedy_equals_its_own_loop(llm):
 
 def test_entry_point_string_loads_the_module():
     """What `serve.py --model tests.model.byo_model:build` does: the server's builder is `build_engine`."""
-    engine, tok = build_engine("tests.model.byo_model:build", **SETTINGS)  # build() names its tokenizer
+    engine, tok = build_engine(EngineArgs("tests.model.byo_model:build", **SETTINGS))  # build() names its tokenizer
     assert engine.runner.cfg == CONFIG
     assert isinstance(engine.runner.model_def.merge(engine.runner.weights), ParallelLM)
     with pytest.raises(ProtocolError, match="no_such_module"):
-        build_engine("no_such_module:build", tokenizer=tok, **SETTINGS)
+        build_engine(EngineArgs("no_such_module:build", tokenizer=tok, **SETTINGS))
 
 
 # ---------------------------------------------------------------------------------------------- broken modules

@@ -7,6 +7,7 @@ The XLA compilation cache (~/.cache/jaxinfer/xla) makes every start after the fi
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -107,3 +108,13 @@ def tokenizer():
 def http(server: ServerProcess):
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client:
         yield client
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from a /metrics page."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        m = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
+        if m and (m.group(1) or "") == want:
+            return float(m.group(2))
+    raise AssertionError(f"no {name}{{{want}}} on /metrics")

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess, start_server, wait_ready
+from tests.server.conftest import ServerProcess, metric, start_server, wait_ready
 from tests.server.fake_engine import FakeEngine
 
 FAIL_TOKEN = 999  # a prompt ending with it makes the fake core's engine raise in its step
@@ -179,6 +179,14 @@ def test_same_tokens_as_in_process(server, reference):
 
     for (text, reason, events), ref in zip(asyncio.run(streams()), refs, strict=True):
         assert (text, reason, events[-1]) == (ref.outputs[0].text, "length", "[DONE]")
+    # The core's timeline of each request (queue time, prefill chunks, cached tokens) crossed the process boundary
+    # with its first token: the histograms saw every request, and the access log has its queue time.
+    page = httpx.get(f"{server.url}/metrics").text
+    for name in ("request_queue_time_seconds_count", "request_prefix_cache_hit_rate_count"):
+        assert metric(page, f"jaxinfer:{name}") >= 2 * len(PROMPTS), name
+    lines = [json.loads(line[line.index("{") :]) for line in server.log_tail(200_000).splitlines()
+             if "jaxinfer.access" in line]  # fmt: skip
+    assert len(lines) >= 2 * len(PROMPTS) and all(x["queue_time_s"] is not None for x in lines if x["status"] == 200)
 
 
 def test_stop_string_found_on_the_api_side(server, reference):

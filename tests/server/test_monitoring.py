@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from jaxinfer.server.app import build_app
 from jaxinfer.server.args import ServerArgs
-from tests.server.conftest import REPO
+from tests.server.conftest import REPO, metric
 from tests.server.test_lifecycle import InProcessServer
-from tests.server.test_rate_limits import auth, metric, write_keys
+from tests.server.test_rate_limits import auth, write_keys
 
 PROMPT = list(range(100, 110))  # 10 token ids: with 4 per prefill step, chunks of 4, 4 and 2
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

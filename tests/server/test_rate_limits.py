@@ -18,7 +18,7 @@ import pytest
 
 from jaxinfer.server.args import parse_args
 from jaxinfer.server.ratelimit import TokenBucket, duration
-from tests.server.conftest import REPO, ServerProcess, free_port, wait_ready
+from tests.server.conftest import REPO, ServerProcess, free_port, metric, wait_ready
 from tests.server.test_lifecycle import InProcessServer
 
 BODY = {"prompt": "Hello there", "max_tokens": 4}
@@ -48,16 +48,6 @@ def make_server(tokenizer, tmp_path):
     yield make
     for s in servers:
         s.close()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample's value from a /metrics page."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        m = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
-        if m and (m.group(1) or "") == want:
-            return float(m.group(2))
-    raise AssertionError(f"no {name}{{{want}}} on /metrics")
 
 
 def _rate_limited(r: httpx.Response, err_type: str) -> dict:

@@ -81,3 +81,16 @@ def test_bad_session_id_is_a_400(server, headers, extra, param):
     body = {"prompt": "Hi", "max_tokens": 2, **extra}
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_header_wins_over_user():
+    from starlette.requests import Request
+
+    from jaxinfer.server.context import session_id
+
+    def request(*headers: tuple[bytes, bytes]) -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": list(headers)})
+
+    assert session_id(request((b"x-session-id", b"conv-9")), "alice") == "conv-9"
+    assert session_id(request(), "alice") == "alice"
+    assert session_id(request(), None) is None and session_id(request(), "") is None

@@ -8,7 +8,7 @@ from jaxinfer.model import init_params
 from jaxinfer.types import SamplingParams
 from jaxinfer.weights.layout import hf_name, to_torch_layout
 
-CC = dict(page_size=8, num_pages=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+CC = dict(block_size=8, num_pages=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
 PROMPTS = [[5, 9, 17], list(range(1, 24)), [42] * 9]
 SAMPLING = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
             SamplingParams(max_tokens=5, temperature=0.9, seed=3, ignore_eos=True),

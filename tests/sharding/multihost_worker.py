@@ -14,8 +14,8 @@ distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 
 import jax  # noqa: E402
 
+from jaxinfer.engine.config import CacheConfig  # noqa: E402
 from jaxinfer.engine.engine import Engine  # noqa: E402
-from jaxinfer.engine.runner import CacheConfig  # noqa: E402
 from jaxinfer.sharding import make_mesh  # noqa: E402
 from jaxinfer.weights.layout import build_on_mesh  # noqa: E402
 from tests.sharding.multihost_common import CC, PROMPTS, SAMPLING, host_getter, tiny_config  # noqa: E402

@@ -16,9 +16,9 @@ if CHILD:
     import jax
 
     from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.config import CacheConfig
     from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.engine.runner import CacheConfig
     from jaxinfer.generate import run_step
     from jaxinfer.model import init_params
     from jaxinfer.model.attention import init_contiguous_cache
@@ -29,7 +29,7 @@ if CHILD:
     from jaxinfer.weights.layout import build_on_mesh
     from tests.sharding.multihost_common import getter_for
 
-CC = dict(page_size=8, num_pages=48, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32)
+CC = dict(block_size=8, num_pages=48, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32)
 PROMPT_LENS = (3, 11, 26)
 
 

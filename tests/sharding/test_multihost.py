@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import CacheConfig
 from jaxinfer.weights.layout import build_on_mesh
 from tests.sharding.multihost_common import CC, PROMPTS, SAMPLING, host_getter, tiny_config
 

@@ -15,9 +15,9 @@ if CHILD:
     import jax
 
     from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.config import CacheConfig
     from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.engine.runner import CacheConfig
     from jaxinfer.model import init_params
     from jaxinfer.sharding import make_mesh
     from jaxinfer.weights.layout import build_on_mesh
@@ -27,7 +27,7 @@ if CHILD:
 CFG = dict(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
            num_kv_heads=8, head_dim=8, max_position_embeddings=256)  # fmt: skip
 PAGE_BYTES = 2 * 2 * 8 * 8 * 8 * 4
-CC = dict(page_size=8, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32)
+CC = dict(block_size=8, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32)
 
 
 def _replicas(dp, tp, **cache):
@@ -68,7 +68,7 @@ def test_budget_is_per_device_under_dp_and_tp(dp, tp):
 @child_only
 @pytest.mark.parametrize("dp, tp", [(1, 1), (2, 4)])
 def test_cpu_default_is_what_the_scheduler_addresses(dp, tp):
-    pages_per_seq = -(-CC["max_model_len"] // CC["page_size"])
+    pages_per_seq = -(-CC["max_model_len"] // CC["block_size"])
     want = CC["max_num_seqs"] * pages_per_seq * 5 // 4  # plus the 25% prefix-cache margin
     for e in _replicas(dp, tp):
         assert e.runner.num_pages == want

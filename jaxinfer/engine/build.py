@@ -1,0 +1,109 @@
+"""The one builder: `EngineArgs` -> (engine, tokenizer). `LLM`, `serve.py` (through the engine process or the
+in-process server) and the CLI all call it, so a setting means the same thing everywhere."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+from flax import nnx
+
+from jaxinfer.cache.sizing import parse_bytes, parse_size
+from jaxinfer.device import check_device, resolve_kv_cache_dtype
+from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineArgs
+from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.runner import enable_compilation_cache
+from jaxinfer.engine.timeline import StepTimeline
+from jaxinfer.model.protocol import check_model, is_entry_point, load_entry_point
+from jaxinfer.model_files import resolve_model_path
+from jaxinfer.sharding import make_mesh, place_module
+from jaxinfer.tokenizer import Tokenizer, load_tokenizer
+from jaxinfer.weights import load_model
+
+log = logging.getLogger(__name__)
+
+TIMELINE_WINDOW = 512  # steps the /metrics timeline gauges summarise
+
+
+def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokenizer]:
+    """The engine and tokenizer for `args` (see EngineArgs for each setting). `device` raises
+    `jaxinfer.device.DeviceUnavailableError` when jax initialised another backend; a user module that does not
+    follow jaxinfer.model.protocol raises naming the missing part."""
+    t0 = time.perf_counter()
+    check_device(args.device)
+    if args.enable_compilation_cache:
+        # A second start then restores the compiled steps instead of compiling them again.
+        enable_compilation_cache(args.compilation_cache_dir)
+    mesh = None
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    if tp > 1 or dp > 1 or jax.process_count() > 1:
+        if dp > 1 and jax.process_count() > 1:
+            raise ValueError("data_parallel_size: data parallelism across processes is not supported")
+        mesh = make_mesh(tp, dp)
+    cfg, params, tokenizer = _load(args.model, args.tokenizer, args.dtype, mesh, dp)
+    cache = cache_config(args, cfg)
+    eos = tokenizer.eos_token_ids
+    if dp > 1:
+        engine = DataParallelEngine(cfg, params, mesh, cache, eos, args.attn_impl, args.seed, args.overlap_scheduling)
+    else:
+        engine = Engine(cfg, params, cache, eos, args.attn_impl, args.seed, mesh, args.overlap_scheduling)
+        if jax.process_count() > 1:
+            from jaxinfer.distributed import attach_followers
+
+            attach_followers(engine.runner)  # the lead broadcasts every step; followers run `distributed.follow`
+    if args.step_timeline:
+        for e in getattr(engine, "replicas", [engine]):
+            e.runner.timeline = StepTimeline(max_steps=TIMELINE_WINDOW)
+    log.info("model %s loaded in %.1fs", args.model, time.perf_counter() - t0)
+    return engine, tokenizer
+
+
+def cache_config(args: EngineArgs, cfg) -> CacheConfig:
+    """The runner's CacheConfig for `args` and the loaded model's config."""
+    max_model_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
+        )
+    kv_dtype = args.kv_cache_dtype
+    return CacheConfig(
+        block_size=args.block_size,
+        num_pages=-(-args.num_kv_tokens // args.block_size) if args.num_kv_tokens else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs),
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_logprobs=args.max_logprobs,
+        kv_cache_dtype=None if kv_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_dtype, cfg.dtype),
+        session_ttl=args.session_ttl,
+        session_cache_pages=args.session_cache_pages,
+        host_kv_cache_memory=parse_size(args.host_kv_cache_memory, "host_kv_cache_memory"),
+    )
+
+
+def _load(model: str | nnx.Module, tokenizer: Tokenizer | str | None, dtype: str, mesh, dp: int) -> tuple:
+    """(config, params or user module, tokenizer) for a model name/path, a user module or an entry point."""
+    if isinstance(model, str) and not is_entry_point(model):
+        loaded = load_model(model, dtype=dtype, mesh=replica_meshes(mesh)[0] if mesh is not None else None)
+        tokenizer = _tokenizer(tokenizer) or loaded.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"model {model!r} has no tokenizer")
+        return loaded.config, loaded.params, tokenizer
+    module, built_tokenizer = load_entry_point(model) if isinstance(model, str) else (model, None)
+    cfg = check_model(module)  # raises naming the missing part of the protocol
+    tokenizer = _tokenizer(tokenizer or built_tokenizer)
+    if tokenizer is None:
+        raise ValueError("tokenizer: a user model needs one, e.g. LLM(my_module, tokenizer='smollm2-135m-instruct')")
+    if dp > 1:
+        raise ValueError("data_parallel_size: not supported for user models yet (tensor parallelism is)")
+    if mesh is not None:
+        module = place_module(cfg, module, mesh)
+    return cfg, module, tokenizer
+
+
+def _tokenizer(tokenizer: Tokenizer | str | None) -> Tokenizer | None:
+    return load_tokenizer(resolve_model_path(tokenizer)) if isinstance(tokenizer, str) else tokenizer

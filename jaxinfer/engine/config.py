@@ -1,0 +1,111 @@
+"""The engine's settings: one frozen dataclass each, every default written once, under vLLM's names.
+
+- `CacheConfig`: what the runner and scheduler need (KV pool, batch and token budgets). Built by `build_engine`;
+  tests and benchmarks construct it directly.
+- `EngineArgs`: everything a user sets to build an engine, as `LLM(**settings)` takes it; the server's
+  `ServerArgs` extends it with the HTTP flags, and the command-line parser reads its defaults from these classes.
+
+Host-only (no jax): the HTTP process validates requests against these without importing the runner or kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from jaxinfer.model_files import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # explicit pool size; else sized by jaxinfer.cache.sizing
+    gpu_memory_utilization: float = 0.5  # of the device memory left free after the weights
+    kv_cache_memory: int | None = None  # KV bytes per device at most (CPU default: sizing.CPU_DEFAULT_BUDGET)
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256  # token budget of a mixed step
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20  # top alternatives computed every step
+    logit_bias_capacity: int = 512  # logit_bias entries per request, min_tokens' stop-id bans included
+    kv_cache_dtype: str | None = None  # the KV pool's dtype; None: the model's
+    # Conversations that keep their KV (jaxinfer.cache.sessions): how long a finished turn's pages stay pinned,
+    # and how many pages all sessions may pin together (None: a quarter of the pool; 0: sessions off).
+    session_ttl: float = 300.0
+    session_cache_pages: int | None = None
+    # Host memory for KV pages the pool gives up (jaxinfer.cache.host_tier), bytes per replica; None: 1 GiB on
+    # GPU/TPU, off on CPU (where host and device memory are the same); 0: off.
+    host_kv_cache_memory: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_model_len < 1 or self.max_num_seqs < 1:
+            raise ValueError("block_size, max_model_len and max_num_seqs must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if not self.session_ttl > 0:
+            raise ValueError(f"session_ttl must be > 0 seconds, got {self.session_ttl}")
+        if self.session_cache_pages is not None and self.session_cache_pages < 0:
+            raise ValueError(f"session_cache_pages must be >= 0, got {self.session_cache_pages}")
+        if self.host_kv_cache_memory is not None and self.host_kv_cache_memory < 0:
+            raise ValueError(f"host_kv_cache_memory must be >= 0 bytes, got {self.host_kv_cache_memory}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs a token slot)")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+# The model's own context length is used up to this many tokens when max_model_len is not given.
+DEFAULT_MAX_MODEL_LEN_CAP = 4096
+# The token budget of a mixed step when max_num_batched_tokens is not given: at least this, and max_num_seqs.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What `build_engine` builds from. `model`: a preset, a GGUF file, an HF directory, a checkpoint, an entry
+    point `"pkg.module:build"`, or your own nnx.Module (jaxinfer.model.protocol; `tokenizer` is then required).
+    `tokenizer`: a Tokenizer, or a model name or path to read one from (overrides the model's own)."""
+
+    model: Any = DEFAULT_MODEL
+    tokenizer: Any = None
+    # "auto": float32 on CPU, the checkpoint's half precision (or bfloat16) on GPU/TPU; the KV cache follows it.
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    device: str | None = None  # None: $JAXINFER_DEVICE, else what $JAX_PLATFORMS asks for, else auto
+    max_model_len: int | None = None  # None: the model's, capped at DEFAULT_MAX_MODEL_LEN_CAP
+    max_num_seqs: int = CacheConfig.max_num_seqs
+    max_num_batched_tokens: int | None = None  # None: max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+    block_size: int = CacheConfig.block_size
+    num_kv_tokens: int | None = None  # explicit KV pool size in tokens (overrides gpu_memory_utilization)
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    kv_cache_memory: int | str | None = None  # KV bytes per device at most: an int, or text like "4GiB"
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    max_logprobs: int = CacheConfig.max_logprobs
+    seed: int | None = None  # for requests that bring none
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    attn_impl: str | None = None  # None: the dispatcher's choice per backend
+    enable_compilation_cache: bool = True  # jax's persistent cache and the executable cache
+    compilation_cache_dir: str | None = None  # None: $JAXINFER_COMPILE_CACHE or ~/.cache/jaxinfer/xla
+    overlap_scheduling: bool = True  # dispatch each step before the previous one's tokens are read on the host
+    step_timeline: bool = False  # timestamp every step (device busy/idle, host time) for /metrics
+    # A request whose SamplingParams name a `session_id` keeps its pages pinned when it ends, for `session_ttl`
+    # seconds, so the conversation's next turn prefills only what is new; all sessions together pin at most
+    # `session_cache_pages` pages (None: a quarter of the pool; 0 turns sessions off).
+    session_ttl: float = CacheConfig.session_ttl
+    session_cache_pages: int | None = CacheConfig.session_cache_pages
+    # Prefix pages the pool gives up are kept in host memory and copied back on a hit (jaxinfer.cache.host_tier):
+    # bytes per replica, or text like "8GiB"; None: 1 GiB on GPU/TPU, off on CPU; 0: off.
+    host_kv_cache_memory: int | str | None = None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(EngineArgs))
+
+    def engine_args(self) -> EngineArgs:
+        """Only the engine's settings (a subclass, such as the server's args, carries more)."""
+        return EngineArgs(**{name: getattr(self, name) for name in EngineArgs.names()})
