@@ -7,7 +7,7 @@ is a synchronous ValueError -> 400 exactly as in-process), detokenization and st
 a stop string found here is sent to the core as "finish"). A reader thread takes results off the socket and hands
 each stream its outputs on its event loop; a caller that stops reading is cut off (stream_queue.py).
 
-Locks: the reader thread alone touches the OutputProcessor (and the stop strings found): the event loop hands it
+Locks: the reader thread alone touches the OutputProcessor (detokenization, stop strings): the event loop hands it
 its changes (a new request, a closed one) through a queue that the reader applies before each batch of results,
 so detokenizing a large batch holds nothing a handler waits for. `_lock` guards the streams table and `error`,
 for dict operations only.
@@ -39,7 +39,7 @@ import zmq
 from jaxinfer.engine.async_engine import EngineDeadError, validate_off_loop  # one error for both fronts
 from jaxinfer.engine.core_process import COMMANDS_HWM, pack, params_to_wire, run_core, unpack, update_from_wire
 from jaxinfer.engine.outbox import RESULTS_HWM
-from jaxinfer.engine.stream_queue import SlowReaderError, StreamLimits, StreamQueue
+from jaxinfer.engine.stream_queue import StreamLimits, StreamQueue
 from jaxinfer.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,6 @@ class EngineStats:
     idle_share: float | None = None  # the step timeline's (--step-timeline), over its recent steps
     device_ms: float | None = None
     host_ms: float | None = None
-
-
-__all__ = ["EngineDeadError", "EngineLoadError", "EngineStats", "MPAsyncEngine", "SlowReaderError"]
 
 
 class _Validator:
@@ -129,7 +126,7 @@ class MPAsyncEngine:
         self._stop_reader = False
         self._streams: dict[str, StreamQueue] = {}
         # The event loop's changes to the processor, applied by the reader thread: ("add", rid, prompt, ids,
-        # params) | ("forget", rid, seq ids) | ("abort", rid).
+        # params) | ("forget", rid) | ("abort", rid).
         self._changes: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # the streams table and `error`: dict operations only
         self._send_lock = threading.Lock()  # the commands socket and _unsent (the event loop and the reader send)
