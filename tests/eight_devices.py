@@ -18,7 +18,12 @@ CHILD = os.environ.get("JAXINFER_8DEV_CHILD") == "1"
 child_only = pytest.mark.skipif(not CHILD, reason="runs in the 8-device child (tests/test_eight_devices.py)")
 
 # The files whose tests run in the child, relative to the repository root.
-FILES = ("tests/sharding/test_mesh.py", "tests/sharding/test_pool_sizing.py", "tests/engine/test_dp_capacity.py")
+FILES = (
+    "tests/sharding/test_mesh.py",
+    "tests/sharding/test_pool_sizing.py",
+    "tests/engine/test_dp_capacity.py",
+    "tests/engine/test_sessions.py::test_dp_front_keeps_sessions_on_their_replica",  # the other tests of that file run in the parent
+)
 
 
 def run_child(files: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess:

@@ -134,6 +134,14 @@ class PageAllocator:
         self._refs[p] += 1
         return p
 
+    def forget(self, page: int) -> None:
+        """Takes a held page out of the prefix cache: its holder is about to overwrite part of it."""
+        if self._refs[page] <= 0:
+            raise ValueError(f"page {page} is not allocated")
+        entry = self._block_of.pop(page, None)
+        if entry is not None:
+            del self._page_of[entry[0]]
+
     def register(self, page: int, parent: int | None, tokens: Sequence[int]) -> int:
         """Records that `page` holds the full block `tokens` following block `parent`; returns its hash."""
         block = tuple(tokens)

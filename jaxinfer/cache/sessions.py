@@ -5,10 +5,11 @@ request's pages and remembers the tokens whose K/V they hold. The next request w
 longest common prefix of its prompt and the remembered tokens is reused, token by token, so the new turn prefills
 only the new message (plus the last sampled token of the previous turn, whose K/V was never computed).
 
-Full pages are shared (ref counts: the prefix cache may hold them too). The last, partly filled page is handed
-over to the new turn, which writes the rest of it: that is only safe because a partly filled page is never in the
-prefix cache and, once the store lets go of it, has no other holder. So a session is consumed by the request that
-starts on it, and pinned again when that request ends.
+Full pages are shared (ref counts: the prefix cache may hold them too). The page where the new prompt parts from
+the remembered tokens (the session's partly filled last page, or a full page where a re-rendered reply tokenizes
+differently) is handed over to the new turn, which overwrites the rest of it. That is only safe for a page no one
+else holds: a full page is then taken out of the prefix cache first; a page someone else holds ends the match at
+its start. So a session is consumed by the request that starts on it, and pinned again when that request ends.
 
 Pins are bounded three ways, so they never hold the pool: a TTL (`expire`), a cap on the pages all sessions pin
 together (the least recently used go first), and memory pressure (`reclaim`, called by the scheduler before it
@@ -42,6 +43,7 @@ class SessionMatch:
     num_tokens: int
     pages: list[int]
     block_hashes: list[int]
+    overwritten: int | None = None  # a full page the request writes into: out of the prefix cache on admission
 
 
 class SessionStore:
@@ -98,22 +100,28 @@ class SessionStore:
         while n < limit and tokens[n] == s.tokens[n]:
             n += 1
         full, rest = divmod(n, ps)
-        own_tail = full == len(s.pages) - 1 and len(s.tokens) < len(s.pages) * ps
-        if rest and not own_tail:
-            n, rest = full * ps, 0
+        overwritten = None
+        if rest:
+            own_tail = full == len(s.pages) - 1 and len(s.tokens) < len(s.pages) * ps  # partly filled: uncached
+            if not own_tail and self.alloc.ref_count(s.pages[full]) == 1:  # full, held by this session alone
+                overwritten = s.pages[full]
+            elif not own_tail:
+                n, rest = full * ps, 0
         if n == 0:
             return None
         pages = s.pages[: full + (1 if rest else 0)]
         self.alloc.share(pages)
         s.last_used = time.monotonic()
         self._sessions.move_to_end(session_id)
-        return SessionMatch(session_id, n, pages, s.block_hashes[:full])
+        return SessionMatch(session_id, n, pages, s.block_hashes[:full], overwritten)
 
     def consume(self, match: SessionMatch) -> None:
         """The request that matched was admitted: the session's own references go (its pages now belong to the
         request, the partly filled one to it alone)."""
         self.hits += 1
         self.hit_tokens += match.num_tokens
+        if match.overwritten is not None:
+            self.alloc.forget(match.overwritten)
         s = self._sessions.pop(match.session_id, None)
         if s is not None:
             self._free(s)

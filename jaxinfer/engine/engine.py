@@ -96,12 +96,20 @@ class Engine:
         """The host tier, when it has memory, the prefix cache is on (it stores prefix-cache blocks) and one
         process drives the mesh (its copies are not broadcast to followers)."""
         nbytes = host_tier_bytes(cache.host_kv_cache_memory, jax.default_backend())
-        if nbytes == 0 or not cache.enable_prefix_caching or jax.process_count() > 1:
+        if nbytes == 0:
             return None
+        why_not = None
+        if not cache.enable_prefix_caching:
+            why_not = "it keeps prefix-cache pages and prefix caching is off"
+        elif jax.process_count() > 1:
+            why_not = "its page copies are not broadcast to the other processes of a multi-host mesh"
         k = self.runner.kv[0][0]
         block_bytes = 2 * len(self.runner.kv) * k.shape[1] * k.shape[2] * k.shape[3] * k.dtype.itemsize
         host = HostTier(nbytes, block_bytes)
-        if not host.enabled:
+        if why_not is None and not host.enabled:
+            why_not = f"{nbytes} bytes hold no page ({block_bytes} bytes each)"
+        if why_not is not None:
+            log.warning("host KV tier off: %s", why_not)
             return None
         self.runner.enable_page_copies()
         log.info("host KV tier: %d pages (%.1f MiB)", host.max_blocks, host.capacity_bytes / 2**20)

@@ -58,17 +58,29 @@ def test_next_turn_starts_where_the_last_one_ended():
     assert alloc.num_free == alloc.num_pages
 
 
-def test_a_diverging_prompt_never_writes_into_a_shared_page():
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_prompt_diverging_inside_a_full_page(shared):
+    """A re-rendered reply can part from the generated tokens inside a full page. Held by the session alone, the
+    page goes to the new turn (out of the prefix cache first: it is about to be overwritten); held by anyone else,
+    the match stops at the page's start."""
     alloc = PageAllocator(32, PS)
     store = SessionStore(alloc, max_pages=16, ttl=300)
     s = Scheduler(alloc, 4, 64, 256, sessions=store)
     _run_turn(s, _req("t0", list(range(1, 10))), [40, 41])  # 10 computed tokens: 2 full pages + 2 in the third
     held = list(store._sessions["s"].pages)
-    # Diverges inside the second (full) page: only the first page may be reused.
-    other = _req("t1", [1, 2, 3, 4, 5, 6, 99, 98, 97])
+    if shared:
+        alloc.share(held[1:2])  # another holder (e.g. a running request that matched it in the prefix cache)
+    other = _req("t1", [1, 2, 3, 4, 5, 6, 99, 98, 97])  # parts at token 6, inside the second (full) page
     s.add(other)
     s.schedule()
-    assert other.num_computed == PS and other.pages[0] == held[0] and held[1] not in other.pages
+    if shared:
+        assert other.num_computed == PS and held[1] not in other.pages
+        assert alloc.take_cached(alloc._block_of[held[1]][0], (5, 6, 7, 8)) == held[1]  # still cached, untouched
+        alloc.free([held[1]] * 2)
+    else:
+        assert other.num_computed == 6 and other.pages[:2] == held[:2]
+        assert held[1] not in alloc._block_of  # out of the prefix cache before anything overwrites it
+    assert other.pages[0] == held[0]
     s.finish(other, "abort")  # aborted: pins nothing, the session is gone (consumed at admission)
     assert len(store) == 0 and alloc.num_free == alloc.num_pages
 

@@ -5,9 +5,6 @@ page comes back. The data-parallel front keeps a session on its replica (in a ch
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -19,8 +16,8 @@ from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import compile_count
 from jaxinfer.model import init_params
+from tests.eight_devices import child_only
 
-CHILD = os.environ.get("JAXINFER_SESSIONS_DP_CHILD") == "1"
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=512)  # fmt: skip
 TURNS = 20
@@ -224,24 +221,14 @@ def test_engine_core_loop_expires_and_releases_sessions(params):
 # ---------------------------------------------------------------------------------------------- data parallel
 
 
-@pytest.mark.skipif(CHILD, reason="the parent launcher")
-def test_dp_front_keeps_sessions_on_their_replica():
-    env = {**os.environ, "JAXINFER_SESSIONS_DP_CHILD": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_PLATFORMS": "cpu"}  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "child"],
-                       env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout
-
-
-@pytest.mark.skipif(not CHILD, reason="runs inside the 2-device child process")
-def test_child_dp_sessions(params, reference):
+@child_only
+def test_dp_front_keeps_sessions_on_their_replica(params, reference):
     import jax
 
     from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
     from jaxinfer.sharding import make_mesh
 
-    assert jax.device_count() == 2
+    assert jax.device_count() >= 2  # in the 8-device child (tests/eight_devices.py)
     mesh = make_mesh(1, 2)
     placed = jax.device_put(params, jax.sharding.NamedSharding(replica_meshes(mesh)[0], jax.sharding.PartitionSpec()))
     eng = DataParallelEngine(CFG, placed, mesh, _cache(host_kv_cache_memory=HOST), seed=0)
