@@ -1,7 +1,7 @@
 """The core's results outbox (jaxinfer/engine/outbox.py) over a real ZeroMQ pair with small high-water marks: a
 receiver that stops reading never blocks the sender, what waits is merged into one message per run of steps
 (not one per step), and once read, every sequence's tokens arrive whole, in order, with the latest stats; other
-messages keep their place."""
+messages keep their place. End to end: MPAsyncEngine whose results reader stalls while a fake core runs flat out."""
 
 from __future__ import annotations
 
@@ -101,3 +101,55 @@ def test_drain_delivers_what_waits(tmp_path):
         push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
+
+
+def _long_build(args: dict):
+    """Runs in the spawned core: the fake engine, unpaced, with room for long streams."""
+    from tests.server.test_engine_process import _fake_build
+
+    engine, tokenizer = _fake_build(args)
+    engine.cc.max_model_len = 8192
+    engine.allocator.num_pages, engine.runner.num_kv_tokens = 1024, 16384
+    return engine, tokenizer
+
+
+def test_a_stalled_results_reader_gets_merged_messages_in_order():
+    """The API side's results reader stops for a second while the core runs flat out: the core does not wait, its
+    updates merge (far fewer messages than steps arrive), and every stream still gets all its tokens in order."""
+    import asyncio
+
+    from jaxinfer import SamplingParams
+    from jaxinfer.engine.mp_engine import MPAsyncEngine
+    from jaxinfer.engine.output import OutputAccumulator
+    from jaxinfer.server.args import ServerArgs
+
+    tokens, streams = 3000, 4
+    engine = MPAsyncEngine(ServerArgs(model="fake"), build=_long_build)
+    try:
+        engine.wait_ready(60)
+        received = []
+        on_outputs = engine._on_outputs
+
+        def stalling(msg):  # the reader thread, starved for a second at the first output
+            if not received:
+                time.sleep(1.0)
+            received.append(len(msg["u"]))
+            on_outputs(msg)
+
+        engine._on_outputs = stalling
+
+        async def one(i: int):
+            whole = OutputAccumulator()
+            async for o in engine.generate([5], SamplingParams(max_tokens=tokens), f"r{i}"):
+                whole.add(o)
+            return whole.result().outputs[0].token_ids
+
+        async def main():
+            return await asyncio.gather(*(one(i) for i in range(streams)))
+
+        vocab = engine.tokenizer.vocab_size
+        for ids in asyncio.run(main()):
+            assert ids == [(6 + k) % vocab for k in range(tokens)]
+        assert len(received) < tokens / 2, f"{len(received)} messages for {tokens} steps: nothing was merged"
+    finally:
+        engine.shutdown()
