@@ -93,9 +93,7 @@ def run_loop(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: 
     while engine.has_unfinished():
         updates = engine.step()
         if proc is not None:
-            _, to_stop = proc.process(updates)
-            for sid, reason in to_stop:
-                engine.finish_sequence(sid, "stop", reason)
+            proc.process(updates, engine.finish_sequence)
     return time.perf_counter() - t0
 
 

@@ -126,9 +126,7 @@ class LLM:
             while pending:
                 if not self.engine.has_unfinished():
                     raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
-                outs, to_stop = self.processor.process(self.engine.step())
-                for sid, reason in to_stop:
-                    self.engine.finish_sequence(sid, "stop", reason)
+                outs = self.processor.process(self.engine.step(), self.engine.finish_sequence)
                 for out in outs:
                     if out.request_id not in pending:
                         continue

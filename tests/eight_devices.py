@@ -22,7 +22,8 @@ FILES = (
     "tests/sharding/test_mesh.py",
     "tests/sharding/test_pool_sizing.py",
     "tests/engine/test_dp_capacity.py",
-    "tests/engine/test_sessions.py::test_dp_front_keeps_sessions_on_their_replica",  # the other tests of that file run in the parent
+    # Only this test of that file: the others run in the parent.
+    "tests/engine/test_sessions.py::test_dp_front_keeps_sessions_on_their_replica",
 )
 
 

@@ -158,9 +158,7 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                outs, to_stop = self.processor.process(self.engine.step())
-                for sid, reason in to_stop:
-                    self.engine.finish_sequence(sid, "stop", reason)
+                outs = self.processor.process(self.engine.step(), self.engine.finish_sequence)
                 for out in outs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # surface the failure to every waiting caller instead of hanging them

@@ -364,11 +364,13 @@ class MPAsyncEngine:
         self._apply_changes()  # a request's "add" reaches the processor before its first tokens
         # Detokenization and stop strings, under no lock: the processor is this thread's alone. The processor
         # drops the tokens the core made before it heard of a stop string found here.
-        outs, to_stop = self.processor.process([update_from_wire(w) for w in msg["u"]])
-        for sid, reason in to_stop:
-            self._send(["finish", sid, "stop", reason])
+        outs = self.processor.process([update_from_wire(w) for w in msg["u"]], self._finish_in_core)
         for out in outs:
             self._deliver(out.request_id, out)
+
+    def _finish_in_core(self, seq_id: str, reason: str, stop_reason: int | str | None) -> None:
+        """Ends a sequence the core still runs (a stop string found here)."""
+        self._send(["finish", seq_id, reason, stop_reason])
 
     def _on_exit(self) -> None:
         self._proc.join(1)

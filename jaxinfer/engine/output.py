@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxinfer.detokenizer import IncrementalDetokenizer
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, SeqTiming, SeqUpdate
+
+# Ends a sequence the engine still runs: (seq id, finish reason, stop reason), as Engine.finish_sequence takes them.
+Finish = Callable[[str, str, int | str | None], None]
 
 
 @dataclass
@@ -81,10 +85,11 @@ class OutputProcessor:
         for sid in req.seqs if req else ():
             self._seq_owner.pop(sid, None)
 
-    def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[tuple[str, int | str]]]:
-        """Returns (a delta RequestOutput for each request with news, sequences to stop: (seq id, stop string))."""
+    def process(self, updates: list[SeqUpdate], finish: Finish) -> list[RequestOutput]:
+        """The output loop of every front (LLM, AsyncEngine, the engine-process client): a delta RequestOutput for
+        each request with news. A sequence whose stop string is found here, while the engine still runs it, is
+        ended through `finish(seq_id, "stop", stop_string)` (Engine.finish_sequence, or a command to the core)."""
         touched: dict[str, _Req] = {}
-        to_stop: list[tuple[str, int | str]] = []
         for u in updates:
             rid = self._seq_owner.get(u.request_id)
             if rid is None:
@@ -119,7 +124,7 @@ class OutputProcessor:
             if seq.detok.stopped:
                 seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
                 if not u.finished:
-                    to_stop.append((u.request_id, seq.detok.stop_reason))
+                    finish(u.request_id, "stop", seq.detok.stop_reason)
             elif u.finished:
                 if text := seq.detok.flush():
                     seq.text.append(text)
@@ -129,7 +134,7 @@ class OutputProcessor:
         for out in outs:
             if out.finished:
                 self.forget(out.request_id)
-        return outs, to_stop
+        return outs
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """The request's last output (finish_reason "abort" for every sample still going), and forgets it."""

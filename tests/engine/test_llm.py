@@ -194,8 +194,10 @@ def test_async_engine_streams_and_aborts(tiny):
         outs = []
         async for o in ae.generate([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0), "a"):
             outs.append(o)
-        # Deltas: each output holds only its step's new token.
-        assert outs[-1].finished and [len(o.outputs[0].token_ids) for o in outs] == [1] * 5
+        # Deltas: each output holds only the tokens made since the last one the reader took (one a step, or
+        # several merged when the reader fell behind), never the whole output again.
+        counts = [len(o.outputs[0].token_ids) for o in outs]
+        assert outs[-1].finished and sum(counts) == 5 and min(counts) >= 1, counts
 
         async def cut():
             async for _ in ae.generate([4, 5], SamplingParams(max_tokens=50, temperature=0.0), "b"):

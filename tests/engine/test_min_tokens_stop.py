@@ -20,8 +20,7 @@ def test_stop_strings_wait_for_min_tokens(min_tokens, text):
              SamplingParams(max_tokens=20, stop=["a"], min_tokens=min_tokens))  # fmt: skip
     to_stop = []
     for t in ids:
-        outs, stops = proc.process([SeqUpdate("r", [t], [], False, None)])
-        to_stop += stops
+        outs = proc.process([SeqUpdate("r", [t], [], False, None)], lambda *stop: to_stop.append(stop))
         for out in outs:
             whole.add(out)
         if to_stop:

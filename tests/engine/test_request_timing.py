@@ -28,6 +28,10 @@ def engine():
     return Engine(CFG, init_params(CFG, seed=0, std=0.5), CACHE, (0,), seed=0)
 
 
+def _never(*stop) -> None:
+    raise AssertionError(f"no stop strings here, yet the processor ended {stop}")
+
+
 def _first_updates(eng: Engine, rid: str) -> list[SeqUpdate]:
     eng.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), rid)
     updates = []
@@ -64,7 +68,7 @@ def test_timing_crosses_the_wire_and_lands_on_the_api_clock(engine):
 
     proc = OutputProcessor(load_tokenizer(smollm2_gguf()))
     proc.add("r", None, PROMPT, SamplingParams(max_tokens=2))
-    (out,), _ = proc.process([back])
+    (out,) = proc.process([back], _never)
     m = out.metrics
     assert m.first_scheduled_time - m.arrival_time == pytest.approx(0.25)
     assert m.first_token_time - m.arrival_time == pytest.approx(0.5)
@@ -72,7 +76,7 @@ def test_timing_crosses_the_wire_and_lands_on_the_api_clock(engine):
         [(0.25, 0.375, 16), (0.375, 0.5, 8)]
     )
     assert m.num_cached_tokens == 12 and m.finished_time is None and m.detokenize_s > 0
-    (out,), _ = proc.process([SeqUpdate("r", [6], [], True, "length")])
+    (out,) = proc.process([SeqUpdate("r", [6], [], True, "length")], _never)
     assert out.finished and out.metrics.finished_time >= m.arrival_time and out.metrics.num_cached_tokens == 12
 
 
