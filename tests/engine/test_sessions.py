@@ -179,7 +179,8 @@ def test_engine_core_loop_expires_and_releases_sessions(params):
 
     import zmq
 
-    from jaxinfer.engine.core_process import EngineCore, pack, params_to_wire, unpack
+    from jaxinfer.engine.core_process import EngineCore, outputs_to_wire, pack, params_to_wire, unpack
+    from jaxinfer.engine.outbox import ResultsOutbox
 
     eng = Engine(CFG, params, _cache(session_ttl=0.5), seed=0)
     ctx = zmq.Context()
@@ -189,7 +190,7 @@ def test_engine_core_loop_expires_and_releases_sessions(params):
     commands.connect("inproc://commands")
     results.bind("inproc://results")
     results_out.connect("inproc://results")
-    core = EngineCore(eng, commands_in, results_out)
+    core = EngineCore(eng, commands_in, ResultsOutbox(results_out, pack, outputs_to_wire))
     loop = threading.Thread(target=core.run, daemon=True)
     loop.start()
     sp = params_to_wire(SamplingParams(max_tokens=3, temperature=0, session_id="s"))
@@ -197,6 +198,7 @@ def test_engine_core_loop_expires_and_releases_sessions(params):
     def turn(rid: str) -> dict:
         commands.send(pack(["add", rid, [5, 6, 7, 8, 9, 10], sp]))
         while True:
+            assert loop.is_alive() and results.poll(30_000), "the engine core loop stopped sending"
             msg = unpack(results.recv())
             if any(u[0] == rid and u[3] for u in msg["u"]):
                 return msg["s"]["cache"]
