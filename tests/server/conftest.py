@@ -110,6 +110,13 @@ def http(server: ServerProcess):
         yield client
 
 
+def held_pages(text: str) -> float:
+    """KV pages requests hold, from a /metrics page: every used page but those a finished turn keeps for its
+    session (a `user` field or X-Session-Id on the shared server), which TTL, the cap or memory pressure release.
+    What a leak check must find at 0."""
+    return metric(text, "jaxinfer:kv_cache_used_pages") - metric(text, "jaxinfer:session_pinned_pages")
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """One sample's value from a /metrics page."""
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, held_pages
 
 PROMPTS = [
     "The capital of France is",
@@ -45,7 +45,7 @@ def _wait_idle(http: httpx.Client, timeout: float = 60) -> str:
     while True:
         text = http.get("/metrics").text
         idle = (
-            metric(text, "jaxinfer:num_requests_in_flight") == 0 and metric(text, "jaxinfer:kv_cache_used_pages") == 0
+            metric(text, "jaxinfer:num_requests_in_flight") == 0 and held_pages(text) == 0
         )
         if idle or time.monotonic() > deadline:
             return text
@@ -74,7 +74,7 @@ def test_disconnects_return_pages(server, http):
 
     assert asyncio.run(main()) == [3] * 50
     after = _wait_idle(http)
-    assert metric(after, "jaxinfer:kv_cache_used_pages") == 0, after
+    assert held_pages(after) == 0, after
     assert metric(after, "jaxinfer:num_requests_in_flight") == 0
     aborted = metric(after, "jaxinfer:request_success_total", 'finished_reason="abort"') - metric(
         before, "jaxinfer:request_success_total", 'finished_reason="abort"'
@@ -126,5 +126,5 @@ def test_200_concurrent_streams(server, http):
         - metric(before, "jaxinfer:e2e_request_latency_seconds_count")
         == 200
     )
-    assert metric(after, "jaxinfer:kv_cache_used_pages") == 0
+    assert held_pages(after) == 0
     print(f"200 streams in {elapsed:.1f}s")

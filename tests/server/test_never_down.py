@@ -58,7 +58,11 @@ def _metric(http: httpx.Client, name: str) -> float:
 
 def _pool_whole(http: httpx.Client, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
-    while _metric(http, "kv_cache_used_pages") != 0 or _metric(http, "num_requests_in_flight") != 0:
+    # Pages a session keeps (a `user` field on the shared server) are not held by any request.
+    while (
+        _metric(http, "kv_cache_used_pages") != _metric(http, "session_pinned_pages")
+        or _metric(http, "num_requests_in_flight") != 0
+    ):
         assert time.monotonic() < deadline, http.get("/metrics").text
         time.sleep(0.1)
 
