@@ -523,6 +523,13 @@ def int_list(text: str) -> list[int]:
     return vals
 
 
+def fill_defaults(args: argparse.Namespace, quick: dict[str, Any], full: dict[str, Any]) -> None:
+    """Sets every flag left unset (None) to its `--quick` or full-run default (the benchmarks' shared scheme)."""
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.split("\n")[0])
     shaped = [
@@ -550,10 +557,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
 
-    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_defaults(args, QUICK_DEFAULTS, FULL_DEFAULTS)
     for name in ("batch", "context", "prefill_seqs", "prefill_len"):
         setattr(args, name, int_list(getattr(args, name)))
     if args.dtype not in DTYPES:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.bench_latency import bare_step, capture_steps
-from benchmarks.common import format_table, int_list, load_avg, metadata, random_params, shape_config
+from benchmarks.common import fill_defaults, format_table, int_list, load_avg, metadata, random_params, shape_config
 
 FULL_DEFAULTS: dict[str, Any] = dict(batch="1,32,256", prompt_len=32, steps=48, warmup_steps=8, bare_iters=20)
 QUICK_DEFAULTS: dict[str, Any] = dict(batch="1,4", prompt_len=8, steps=6, warmup_steps=2, bare_iters=3)
@@ -276,10 +276,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a seconds-long run (the smoke test)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
-    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_defaults(args, QUICK_DEFAULTS, FULL_DEFAULTS)
     if args.quick and args.shape is None and args.model is None:
         args.shape = "tiny"
     if args.model is None and args.shape is None:

@@ -38,7 +38,17 @@ import jax
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.common import SHAPES, format_table, int_list, load_avg, metadata, pyplot, random_params, shape_config
+from benchmarks.common import (
+    SHAPES,
+    fill_defaults,
+    format_table,
+    int_list,
+    load_avg,
+    metadata,
+    pyplot,
+    random_params,
+    shape_config,
+)
 
 FULL_DEFAULTS: dict[str, Any] = dict(prefill_len="128,512,2048", batch="1,8,32", context=512, warmup=2, iters=10)
 QUICK_DEFAULTS: dict[str, Any] = dict(prefill_len="16,32", batch="1,3", context=24, warmup=1, iters=3)
@@ -222,10 +232,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="write the results as JSON here (and the plot beside it, .png)")
     p.add_argument("--plot", help="PNG path for the plot (default: --out with .png)")
     args = p.parse_args(argv)
-    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_defaults(args, QUICK_DEFAULTS, FULL_DEFAULTS)
     args.prefill_len, args.batch = int_list(args.prefill_len), int_list(args.batch)
     args.sections = [s for s in args.sections.split(",") if s]
     if not set(args.sections) <= {"prefill", "decode"}:

@@ -43,7 +43,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import references
-from benchmarks.common import SHAPES, format_table, load_avg, metadata, pyplot, random_params, shape_config
+from benchmarks.common import (
+    SHAPES,
+    fill_defaults,
+    format_table,
+    load_avg,
+    metadata,
+    pyplot,
+    random_params,
+    shape_config,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -483,15 +492,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", help="PNG path for the bar plot (default: --out with .png)")
     args = p.parse_args(argv)
 
-    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
     if args.defaults:
         given = {a.split("=")[0] for a in (argv or sys.argv[1:]) if a.startswith("--")}
         for name, value in DEFAULTS_MODE.items():
             if f"--{name.replace('_', '-')}" not in given:
                 setattr(args, name, value)
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_defaults(args, QUICK_DEFAULTS, FULL_DEFAULTS)
     args.cells = _cells(args.cells)
     args.sections = [s for s in args.sections.split(",") if s]
     if not set(args.sections) <= {"nanovllm", "cells", "mixed"}:

@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.common import format_table, host_metadata, int_list, load_avg, pyplot
+from benchmarks.common import fill_defaults, format_table, host_metadata, int_list, load_avg, pyplot
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PERCENTILES = (50, 90, 99)
@@ -703,10 +703,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", help="PNG path for the plot (default: --out with .png)")
     args = p.parse_args(argv)
 
-    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_defaults(args, QUICK_DEFAULTS, FULL_DEFAULTS)
     try:
         args.request_rate = rate_list(args.request_rate)
         args.goodput = parse_goodput(args.goodput)

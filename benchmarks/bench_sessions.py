@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import SHAPES, format_table, metadata, random_params, shape_config
+from benchmarks.common import SHAPES, fill_defaults, format_table, metadata, random_params, shape_config
 
 MODES = ("recompute", "session", "host")
 FULL_DEFAULTS: dict[str, Any] = dict(turns=8, message_len=32, reply_len=32, repeats=3, max_num_batched_tokens=256)
@@ -130,10 +130,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="random tiny model, short conversations: a seconds-long run")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
-    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_defaults(args, QUICK_DEFAULTS, FULL_DEFAULTS)
     if args.quick and not args.shape:
         args.shape = "tiny"
     return args

@@ -19,12 +19,13 @@ import jaxlib
 import numpy as np
 from flax import nnx
 
-from benchmarks.bench_attention import format_table, int_list
+from benchmarks.bench_attention import fill_defaults, format_table, int_list
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.model import abstract_model, init_params
 from jaxinfer.model.transformer import Params
 
 __all__ = [
+    "fill_defaults",
     "SHAPES", "format_table", "int_list", "metadata", "host_metadata", "random_params", "shape_config", "load_avg",
 ]  # fmt: skip
 

@@ -27,7 +27,8 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from jaxinfer.server.args import ServerArgs, add_engine_flags, engine_args, make_parser, parse_args
+from jaxinfer.engine.config import EngineArgs
+from jaxinfer.server.args import ServerArgs, add_engine_flags, make_parser, parse_args
 
 PROG = "jaxinfer"
 DEFAULT_URL = "http://localhost:8000/v1"
@@ -160,7 +161,7 @@ def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
     from jaxinfer import LLM, SamplingParams
 
     sp = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
-    settings = dataclasses.asdict(engine_args(ns))
+    settings = dataclasses.asdict(EngineArgs.from_mapping(vars(ns)))
     with LLM(settings.pop("model"), **settings) as llm:
         chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
         if chat:

@@ -10,6 +10,7 @@ Host-only (no jax): the HTTP process validates requests against these without im
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -102,10 +103,7 @@ class EngineArgs:
     # bytes per replica, or text like "8GiB"; None: 1 GiB on GPU/TPU, off on CPU; 0: off.
     host_kv_cache_memory: int | str | None = None
 
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(EngineArgs))
-
-    def engine_args(self) -> EngineArgs:
-        """Only the engine's settings (a subclass, such as the server's args, carries more)."""
-        return EngineArgs(**{name: getattr(self, name) for name in EngineArgs.names()})
+    @staticmethod
+    def from_mapping(settings: Mapping[str, Any]) -> EngineArgs:
+        """The engine's settings among `settings` (parsed flags, or the server's args as a dict); others ignored."""
+        return EngineArgs(**{f.name: settings[f.name] for f in fields(EngineArgs) if f.name in settings})

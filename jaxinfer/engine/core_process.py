@@ -225,7 +225,7 @@ def _build(args: dict) -> tuple[Any, Any]:
     from jaxinfer.startup import seconds_since_start, summary, warm_up
 
     t0 = time.perf_counter()
-    engine, tokenizer = build_engine(EngineArgs(**{k: args[k] for k in EngineArgs.names()}))
+    engine, tokenizer = build_engine(EngineArgs.from_mapping(args))
     load_s = time.perf_counter() - t0
     # Compile now every program variant a request can select: prompt logprobs (echo + logprobs) included.
     warm = warm_up(engine, prompt_logprobs=True)

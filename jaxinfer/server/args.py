@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from jaxinfer.device import DEVICE_ENV, DEVICES, DTYPES, KV_CACHE_DTYPES
@@ -53,11 +53,17 @@ class ServerArgs(EngineArgs):
         return self.served_model_name or [self.model]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
 def _positive_float(text: str) -> float:
@@ -67,29 +73,18 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _byte_size(text: str) -> int:
-    from jaxinfer.cache.sizing import parse_bytes
+def _bytes(flag: str, zero_turns_off: bool = False) -> Callable[[str], int]:
+    """A byte-size flag's type: an int or text like 4GiB (jaxinfer.cache.sizing); 0 too when it turns a thing off."""
 
-    try:
-        return int(parse_bytes(text, "--kv-cache-memory"))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    def parse(text: str) -> int:
+        from jaxinfer.cache.sizing import parse_bytes, parse_size
 
+        try:
+            return int(parse_size(text, flag) if zero_turns_off else parse_bytes(text, flag))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
-def _byte_size_or_zero(text: str) -> int:
-    from jaxinfer.cache.sizing import parse_size
-
-    try:
-        return int(parse_size(text, "--host-kv-cache-memory"))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return parse
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -133,7 +128,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-memory",
-        type=_byte_size,
+        type=_bytes("--kv-cache-memory"),
         default=D.kv_cache_memory,
         help="most KV cache bytes per device, e.g. 4GiB or 2000000000 (CPU default: what the scheduler can "
         "address, at most 1.5GiB)",
@@ -157,7 +152,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     sessions.add_argument(
         "--host-kv-cache-memory",
-        type=_byte_size_or_zero,
+        type=_bytes("--host-kv-cache-memory", zero_turns_off=True),
         default=D.host_kv_cache_memory,
         help="host memory per replica for prefix KV pages the device pool gives up, copied back on a hit instead of"
         " recomputed, e.g. 8GiB (default: 1GiB on GPU/TPU, off on CPU; 0: off)",
@@ -194,11 +189,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="compile every step afresh at start-up",
     )
-
-
-def engine_args(ns: argparse.Namespace) -> EngineArgs:
-    """The EngineArgs in a namespace parsed with add_engine_flags."""
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.names()})
 
 
 def make_parser() -> argparse.ArgumentParser:
