@@ -4,7 +4,8 @@
     python -m benchmarks.ab_cpu_runtime --variants default,onednn --rounds 2
 
 Each variant runs `benchmarks.bench_latency` (the default model, f32, the engine's own compiled steps) in a fresh
-child process with its environment changes (XLA flags, jax settings, CPU affinity, jaxinfer's layer loop), and
+child process with its changes (XLA flags, jax settings, CPU affinity, bench_latency flags such as the layer
+loop), and
 reports the bare step time (`paged_step` alone, median) of a 256-token prefill and of batch-1 and batch-32 decode
 steps at about 200 tokens of context, and each one's ratio to `default` (> 1: faster than the default). `--rounds`
 repeats the whole list in turn, so a shared machine's drift falls on every variant alike; the best round counts.
@@ -40,8 +41,8 @@ VARIANTS: dict[str, tuple[dict[str, str], str]] = {
     "eigen_1thread": ({"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}, "single-threaded Eigen ops"),
     "sync_dispatch": ({"JAX_CPU_ENABLE_ASYNC_DISPATCH": "0"}, "jax's CPU async dispatch off"),
     "one_core": ({"_TASKSET": "0"}, "pinned to one core (one compute thread's worth)"),
-    "scan_layers": ({"JAXINFER_LAYER_LOOP": "scan"}, "lax.scan over stacked layers"),
-    "unroll_layers": ({"JAXINFER_LAYER_LOOP": "unroll"}, "layers unrolled"),
+    "scan_layers": ({"_ARGS": "--layer-loop scan"}, "lax.scan over stacked layers and KV pools"),
+    "unroll_layers": ({"_ARGS": "--layer-loop unroll"}, "layers unrolled, a KV pool per layer"),
 }
 
 CASES = (("prefill", 256, "prefill T=256"), ("decode", 1, "decode B=1"), ("decode", 32, "decode B=32"))
@@ -57,6 +58,8 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, float]:
             env[key] = f"{env.get(key, '')} {value}".strip()
         elif key == "_TASKSET":
             cmd = ["taskset", "-c", value, *cmd]
+        elif key == "_ARGS":
+            cmd += value.split()
         else:
             env[key] = value
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,9 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"failed: {name}: {err}")
     print(f"load average before / after each round: {loads}")
     if args.out:
+        meta = {n: dict(env=VARIANTS[n][0], what=VARIANTS[n][1]) for n in names}
         with open(args.out, "w") as f:
-            json.dump(dict(variants={n: dict(env=VARIANTS[n][0], what=VARIANTS[n][1]) for n in names},
-                           ms=best, errors=errors, load_avg=loads, argv=list(argv or sys.argv[1:])), f, indent=1)  # fmt: skip
+            json.dump(dict(variants=meta, ms=best, errors=errors, load_avg=loads, argv=list(argv or sys.argv[1:])), f,
+                      indent=1)  # fmt: skip
     return 0
 
 

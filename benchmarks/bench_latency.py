@@ -74,6 +74,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         block_size=page, num_pages=pages + 4, max_model_len=max_len, max_num_seqs=max(args.batch),
         max_num_batched_tokens=max(*args.prefill_len, *args.batch),
         enable_prefix_caching=False,  # every timed prefill must compute its whole prompt
+        layer_loop=args.layer_loop,
     )  # fmt: skip
     # The plain loop: each timed step() runs and collects its own step (bench_host measures overlap scheduling).
     return Engine(cfg, params, cache, (), args.attn_impl, args.seed, overlap=False)
@@ -226,6 +227,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default="prefill,decode", help="prefill, decode or both")
     p.add_argument("--block-size", type=int, default=16, help="KV page size")
     p.add_argument("--attn-impl", help="kernels_pallas impl (default: the dispatcher's choice)")
+    p.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unroll"), help="how steps run the layers")
     roofline.add_peak_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny grid and few iterations: a seconds-long run")

@@ -73,7 +73,7 @@ def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s:
         ("dtype", str(cfg.dtype)),
         ("backend", f"{jax.default_backend()}: {len(devices)} device(s), {', '.join(kinds)}"),
         ("mesh", f"{mesh_text}; {len(replicas)} replica(s)"),
-        ("attention", attention_kernels(runner)),
+        ("attention", f"{attention_kernels(runner)}; layers {runner.layer_loop}"),
         (
             "KV cache",
             f"{tokens} tokens ({runner.num_pages} pages x {cc.block_size}, {kv_mib / 2**20:.0f} MiB) per "

@@ -82,6 +82,7 @@ def cache_config(args: EngineArgs, cfg) -> CacheConfig:
         session_ttl=args.session_ttl,
         session_cache_pages=args.session_cache_pages,
         host_kv_cache_memory=parse_size(args.host_kv_cache_memory, "host_kv_cache_memory"),
+        layer_loop=args.layer_loop,
     )
 
 

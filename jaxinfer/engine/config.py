@@ -16,6 +16,8 @@ from typing import Any
 
 from jaxinfer.model_files import DEFAULT_MODEL
 
+LAYER_LOOPS = ("auto", "scan", "unroll")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -37,6 +39,9 @@ class CacheConfig:
     # Host memory for KV pages the pool gives up (jaxinfer.cache.host_tier), bytes per replica; None: 1 GiB on
     # GPU/TPU, off on CPU (where host and device memory are the same); 0: off.
     host_kv_cache_memory: int | None = None
+    # How a step runs the layers: "scan" (one loop body over stacked weights and KV pools), "unroll", or "auto"
+    # (measured per backend: jaxinfer.engine.runner.choose_layer_loop).
+    layer_loop: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_model_len < 1 or self.max_num_seqs < 1:
@@ -51,6 +56,8 @@ class CacheConfig:
             raise ValueError(f"session_cache_pages must be >= 0, got {self.session_cache_pages}")
         if self.host_kv_cache_memory is not None and self.host_kv_cache_memory < 0:
             raise ValueError(f"host_kv_cache_memory must be >= 0 bytes, got {self.host_kv_cache_memory}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got {self.layer_loop!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs a token slot)")
 
@@ -102,6 +109,7 @@ class EngineArgs:
     # Prefix pages the pool gives up are kept in host memory and copied back on a hit (jaxinfer.cache.host_tier):
     # bytes per replica, or text like "8GiB"; None: 1 GiB on GPU/TPU, off on CPU; 0: off.
     host_kv_cache_memory: int | str | None = None
+    layer_loop: str = CacheConfig.layer_loop  # "auto" (per backend), "scan" or "unroll"
 
     @staticmethod
     def from_mapping(settings: Mapping[str, Any]) -> EngineArgs:

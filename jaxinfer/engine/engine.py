@@ -103,8 +103,8 @@ class Engine:
             why_not = "it keeps prefix-cache pages and prefix caching is off"
         elif jax.process_count() > 1:
             why_not = "its page copies are not broadcast to the other processes of a multi-host mesh"
-        k = self.runner.kv[0][0]
-        block_bytes = 2 * len(self.runner.kv) * k.shape[1] * k.shape[2] * k.shape[3] * k.dtype.itemsize
+        k, cfg = self.runner.kv[0][0], self.runner.cfg
+        block_bytes = 2 * cfg.num_layers * k.shape[-3] * k.shape[-2] * k.shape[-1] * k.dtype.itemsize
         host = HostTier(nbytes, block_bytes)
         if why_not is None and not host.enabled:
             why_not = f"{nbytes} bytes hold no page ({block_bytes} bytes each)"

@@ -11,6 +11,7 @@ page as it was before that step overwrites it, and a scatter lands before the st
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -27,27 +28,46 @@ def copy_buckets(max_pages: int) -> list[int]:
     return sizes
 
 
-def _gather(kv: KVPools, idx: jax.Array) -> jax.Array:
-    return jnp.stack([jnp.stack([k[idx], v[idx]]) for k, v in kv])
+def _page_ids(pool: jax.Array, idx: jax.Array, num_pages: int) -> jax.Array:
+    """i32[layers in the pool, n]: where pages `idx` of each layer sit in `pool`, which holds one layer
+    [P, page, Hkv, Dh] or, for the scanned layer loop, every layer stacked on the page axis [L * P, ...] (layer l's
+    page p at l * P + p). Indices past the pool (padding) stay past it."""
+    offsets = num_pages * jnp.arange(pool.shape[0] // num_pages, dtype=jnp.int32)[:, None]
+    return jnp.where(idx[None, :] < num_pages, idx[None, :] + offsets, pool.shape[0])
 
 
-def _scatter(kv: KVPools, idx: jax.Array, data: jax.Array) -> KVPools:
-    return [(k.at[idx].set(data[i, 0].astype(k.dtype), mode="drop"),
-             v.at[idx].set(data[i, 1].astype(v.dtype), mode="drop")) for i, (k, v) in enumerate(kv)]  # fmt: skip
+def _gather(kv: KVPools, idx: jax.Array, num_pages: int) -> jax.Array:
+    """[layers, 2, n, page, Hkv, Dh]"""
+    parts = []
+    for k, v in kv:
+        ids = _page_ids(k, idx, num_pages)
+        parts.append(jnp.stack([k[ids], v[ids]], axis=1))
+    return jnp.concatenate(parts)
+
+
+def _scatter(kv: KVPools, idx: jax.Array, data: jax.Array, num_pages: int) -> KVPools:
+    out, first = [], 0
+    for k, v in kv:
+        ids = _page_ids(k, idx, num_pages)
+        part = data[first : first + ids.shape[0]]
+        out.append((k.at[ids].set(part[:, 0].astype(k.dtype), mode="drop"),
+                    v.at[ids].set(part[:, 1].astype(v.dtype), mode="drop")))  # fmt: skip
+        first += ids.shape[0]
+    return out
 
 
 class PageCopier:
     """The gather and scatter programs for one runner's pools; `warmup` compiles every size."""
 
-    def __init__(self, kv: KVPools, num_pages: int, max_pages: int, replicated):
+    def __init__(self, kv: KVPools, num_pages: int, max_pages: int, replicated, num_layers: int):
         self.num_pages = num_pages
         self.buckets = copy_buckets(max(1, min(max_pages, num_pages)))
         self._replicated = replicated
         shardings = [(k.sharding, v.sharding) for k, v in kv]
-        self._gather = jax.jit(_gather)
-        self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=shardings)
+        self._gather = jax.jit(partial(_gather, num_pages=num_pages))
+        self._scatter = jax.jit(partial(_scatter, num_pages=num_pages), donate_argnums=0, out_shardings=shardings)
         k = kv[0][0]
-        self.block_shape = (len(kv), 2, *k.shape[1:])  # one page on the host: [layers, 2, page, Hkv, Dh]
+        self.block_shape = (num_layers, 2, *k.shape[1:])  # one page on the host: [layers, 2, page, Hkv, Dh]
         self.dtype = k.dtype
 
     def _chunks(self, n: int) -> list[tuple[int, int, int]]:

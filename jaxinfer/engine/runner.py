@@ -33,6 +33,7 @@ from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
 from jaxinfer.model.functional import ModelDef, split_model
+from jaxinfer.model.scanned import ScannedTransformer, scan_unsupported
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import (
     RowSampling,
@@ -48,7 +49,9 @@ from jaxinfer.step import StepInputs, StepPacker, bucket_table, pack, pick_bucke
 
 log = logging.getLogger(__name__)
 
-KVPools = list[tuple[jax.Array, jax.Array]]  # per layer: (k, v) f[num_pages, page_size, Hkv, Dh]
+# Per layer: (k, v) f[num_pages, page_size, Hkv, Dh]; with the scanned layer loop one pair for all layers, the
+# layers stacked on the page axis: f[num_layers * num_pages, page_size, Hkv, Dh] (layer i's pages start at i * P).
+KVPools = list[tuple[jax.Array, jax.Array]]
 
 
 # ---------------------------------------------------------------------------------------------- compile tracking
@@ -85,7 +88,9 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
 # ---------------------------------------------------------------------------------------------- the step
 
 
-def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: str | None, mesh: Mesh | None):
+def _paged_attend(
+    cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: str | None, mesh: Mesh | None, stacked: bool
+):
     def layer_attention(window: int, q, k, v, kp, vp, slots, table, ctx, qsl, nseq):
         """q f[T, H, Dh]; k, v f[T, Hkv, Dh]; kp, vp f[P, page, Hkv, Dh] -> (out f[T, H, Dh], kp, vp)."""
         kp, vp = kernels_pallas.write_kv(kp, vp, k, v, slots)
@@ -96,6 +101,28 @@ def _paged_attend(cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: st
         else:
             out = kernels_pallas.ragged_paged_attention(qk, kp, vp, table, ctx, qsl, nseq, **opts)
         return out.astype(q.dtype), kp, vp
+
+    def attend_stacked(i: jax.Array, q, k, v, pools):
+        """The scanned layer loop: `i` is the traced layer index, `pools` the (k, v) pools of every layer stacked on
+        the page axis, f[L * P, page, Hkv, Dh]: layer i's pages are i*P .. i*P + P-1, so the kernels and the
+        in-place K/V write run unchanged on offset page ids and slots. (Stored flat: a reshape to and from
+        [L, P, ...] inside the loop made XLA copy the whole pool.)"""
+        kp, vp = pools
+        num_pages, page_size = kp.shape[0] // cfg.num_layers, kp.shape[1]
+        slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + i * (num_pages * page_size), -1)
+        k, v = k[0], v[0]
+        if slots.shape[0] == 1:
+            # XLA rewrites a one-row scatter as a dynamic-update-slice, and inside the loop that copied the whole
+            # pool every layer: a second, dropped row keeps it a scatter, in place.
+            k, v = (jnp.concatenate([a, jnp.zeros_like(a)]) for a in (k, v))
+            slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
+        out, kp, vp = layer_attention(cfg.layer_windows[0], q[0], k, v, kp, vp, slots,
+                                      inp.page_table + i * num_pages, inp.context_lens, inp.query_start_loc,
+                                      inp.num_seqs)  # fmt: skip
+        return out[None], (kp, vp)
+
+    if stacked:
+        return attend_stacked
 
     def attend(i: int, q, k, v, pools):
         fn = partial(layer_attention, cfg.layer_windows[i])
@@ -158,7 +185,10 @@ def paged_step(
     token_ids = resolve_placeholders(inp.token_ids, feed)
     if advanced:
         st = dataclasses.replace(st, history=resolve_placeholders(st.history, feed))
-    hidden, kv = model(token_ids[None], inp.positions[None], kv, _paged_attend(cfg, inp, decode_only, impl, mesh))
+    stacked = isinstance(model, ScannedTransformer)  # one pool pair for all layers, carried through the loop
+    attend = _paged_attend(cfg, inp, decode_only, impl, mesh, stacked)
+    hidden, kv = model(token_ids[None], inp.positions[None], kv[0] if stacked else kv, attend)
+    kv = [kv] if stacked else kv
     lg = model.logits(hidden[0][inp.logits_indices])  # f32[S, V]
     if mesh is not None:
         # Gather the vocab-sharded logits; every device samples the same rows ([S, V] is small next to the weights).
@@ -182,6 +212,29 @@ def resolve_placeholders(ids: jax.Array, feed: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------- runner
+
+
+# The layer loop "auto" picks, per backend, measured (benchmarks/README.md, layer loop): on XLA:CPU a scan ran the
+# same step time as unrolled layers, compiled 5-6x faster and loaded a serialized step 30x faster; on an H100 a scan
+# over stacked weights ran 3.2x slower (../shared/ANCHORS.md). TPU: unmeasured, unrolled as on GPU.
+AUTO_LAYER_LOOP = {"cpu": "scan", "gpu": "unroll", "tpu": "unroll"}
+
+
+def choose_layer_loop(requested: str, cfg: ModelConfig, mesh: Mesh | None, backend: str) -> tuple[str, str]:
+    """("scan" or "unroll", why). An explicit "scan" the model or mesh cannot run raises ValueError."""
+    reason = scan_unsupported(cfg)
+    if reason is None and mesh is not None:
+        reason = "the stacked pools are not sharded over a mesh yet"
+    if requested == "scan":
+        if reason is not None:
+            raise ValueError(f"layer_loop='scan' is not available for this engine: {reason}")
+        return "scan", "asked for"
+    if requested == "unroll":
+        return "unroll", "asked for"
+    auto = AUTO_LAYER_LOOP.get(backend, "unroll")
+    if auto == "scan" and reason is not None:
+        return "unroll", f"auto; cannot scan: {reason}"
+    return auto, f"auto on {backend}"
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str | None = None) -> int:
@@ -242,6 +295,13 @@ class ModelRunner:
 
             self.num_pages = agree_on(self.num_pages)  # free memory differs between hosts; the pools may not
         shape = (self.num_pages, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.layer_loop, why_loop = choose_layer_loop(cache.layer_loop, cfg, mesh, jax.default_backend())
+        if self.layer_loop == "scan":
+            from jaxinfer.model.transformer import merge
+
+            params = ScannedTransformer(params if isinstance(params, nnx.Module) else merge(cfg, params))
+            shape = (cfg.num_layers * shape[0], *shape[1:])  # one pool pair for all layers, carried through the loop
+        log.info("layer loop: %s (%s)", self.layer_loop, why_loop)
         # Split once: the steps take the weights as a flat list and merge inside (jaxinfer.model.functional).
         self.model_def, self.weights = split_model(cfg, params)
         if mesh is None:
@@ -253,10 +313,10 @@ class ModelRunner:
         else:
             self._replicated = NamedSharding(mesh, P())
             pool = NamedSharding(mesh, spec(KV_POOL_AXES, mesh))
-        self.params = self.model_def.state(self.weights)  # the same arrays as an nnx state (reference paths, close)
+        self.params = self.model_def.state(self.weights)  # the same arrays as the step's nnx state (close)
         kv_dtype = jnp.dtype(cache.kv_cache_dtype or cfg.dtype)
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=pool)
-        self.kv: KVPools = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        self.kv: KVPools = [(zeros(), zeros()) for _ in range(1 if self.layer_loop == "scan" else cfg.num_layers)]
         # The last step's sampled tokens, kept on device for the next step's placeholders (overlap scheduling).
         # Every process of a multi-process mesh runs the same steps, so each keeps the same feed.
         self.feed = jax.device_put(np.zeros(cache.max_num_seqs, np.int32), self._replicated)
@@ -291,10 +351,19 @@ class ModelRunner:
             ),
         )  # fmt: skip
 
+    def family_params(self) -> Params:
+        """The weights in the built-in family's own layout (`jaxinfer.model.transformer`), for the reference paths
+        that run the unrolled model on a contiguous cache (a copy when the layers are stacked for the scan)."""
+        if self.layer_loop == "scan":
+            return self.model_def.merge(self.weights).unstacked_state()
+        return self.params
+
     def enable_page_copies(self) -> None:
         """Sets up (and `warmup` then compiles) the page gather/scatter programs the host tier uses."""
         if self.copier is None:
-            self.copier = PageCopier(self.kv, self.num_pages, self.cc.pages_per_seq, self._replicated)
+            self.copier = PageCopier(
+                self.kv, self.num_pages, self.cc.pages_per_seq, self._replicated, self.cfg.num_layers
+            )
 
     def gather_pages(self, pages: list[int]) -> list:
         """Starts copying pages out of the pools (before any later step overwrites them); read with `pages_to_host`."""

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from jaxinfer.device import DEVICE_ENV, DEVICES, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineArgs
+from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, LAYER_LOOPS, EngineArgs
 
 API_KEY_ENV = "JAXINFER_API_KEY"
 CHAT_TRUNCATION = ("off", "oldest")  # jaxinfer.server.truncation
@@ -171,6 +171,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=D.overlap_scheduling,
         help="dispatch each step before the previous step's tokens reach the host, so scheduling, detokenization and"
         " streaming overlap the device (same outputs; --no-overlap-scheduling runs the plain loop, for debugging)",
+    )
+    p.add_argument(
+        "--layer-loop",
+        default=D.layer_loop,
+        choices=LAYER_LOOPS,
+        help="how a step runs the layers: scan (one loop body over stacked weights: small programs, fast compile and"
+        " warm start), unroll, or auto (scan on a single CPU device, unroll elsewhere: measured per backend)",
     )
     p.add_argument(
         "--step-timeline",

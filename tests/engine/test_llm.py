@@ -245,7 +245,7 @@ def test_prompt_logprobs_match_the_model(smol):
     tokens = np.zeros((1, t), np.int32)
     tokens[0, : len(prompt)] = prompt
     pos = np.arange(t, dtype=np.int32)[None]
-    lg, _ = run_step(runner.params, runner.cfg, tokens, pos, pos < len(prompt),
+    lg, _ = run_step(runner.family_params(), runner.cfg, tokens, pos, pos < len(prompt),
                      init_contiguous_cache(runner.cfg, 1, t), all_logits=True)  # fmt: skip
     ref = np.asarray(jax.nn.log_softmax(lg[0], axis=-1))
     for p in range(1, len(prompt)):

@@ -45,7 +45,7 @@ def _forward_logprobs(runner, prompt: list[int]) -> np.ndarray:
     t = len(prompt)
     tokens = np.asarray([prompt], np.int32)
     pos = np.arange(t, dtype=np.int32)[None]
-    lg, _ = run_step(runner.params, runner.cfg, tokens, pos, pos < t, init_contiguous_cache(runner.cfg, 1, t),
+    lg, _ = run_step(runner.family_params(), runner.cfg, tokens, pos, pos < t, init_contiguous_cache(runner.cfg, 1, t),
                      all_logits=True)  # fmt: skip
     return np.asarray(jax.nn.log_softmax(lg[0], axis=-1))
 

@@ -1,0 +1,163 @@
+"""The layer loop: a `lax.scan` over stacked weights and KV pools against unrolled layers, and the per-backend
+choice. The paged-vs-contiguous tests (test_paged_engine.py) run the CPU default (scan) against the contiguous
+generator on the real SmolLM2 weights; here the two loops are compared with each other on the same engine work."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import CacheConfig, EngineArgs
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.kv_copy import PageCopier
+from jaxinfer.engine.runner import choose_layer_loop, paged_step
+from jaxinfer.engine.transfer import to_flat
+from jaxinfer.model import init_params
+from jaxinfer.sampling import build_sampling_tensors
+from jaxinfer.step import pack
+from jaxinfer.types import SamplingParams
+
+CFG = dict(arch="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+           num_kv_heads=2, head_dim=8, max_position_embeddings=256)  # fmt: skip
+
+
+def _engine(loop: str, num_pages: int = 40, **cfg_changes) -> Engine:
+    cfg = ModelConfig(**{**CFG, **cfg_changes})
+    cc = CacheConfig(block_size=4, num_pages=num_pages, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                     layer_loop=loop)  # fmt: skip
+    return Engine(cfg, init_params(cfg, seed=3, std=0.3), cc)
+
+
+def _work() -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = np.random.default_rng(0)
+    shared = rng.integers(1, 128, 9).tolist()  # a common prefix: prefix-cache hits on full pages
+    prompts = [shared + rng.integers(1, 128, n).tolist() for n in (1, 6, 14, 23)] + [rng.integers(1, 128, 3).tolist()]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3) for _ in prompts]
+    params[1] = SamplingParams(max_tokens=10, temperature=0.9, seed=7, ignore_eos=True, logprobs=3)
+    return prompts, params
+
+
+@pytest.mark.parametrize("num_pages", [40, 14])  # 14: too small for all at once, so requests are preempted
+def test_scan_equals_unroll(num_pages):
+    prompts, params = _work()
+    runs = {}
+    for loop in ("scan", "unroll"):
+        eng = _engine(loop, num_pages)
+        assert eng.runner.layer_loop == loop
+        outs = [o[0] for o in eng.generate(prompts, params)]
+        runs[loop] = outs
+        assert eng.allocator.num_free == eng.allocator.num_pages
+    for s, u in zip(runs["scan"], runs["unroll"], strict=True):
+        assert s.output_token_ids == u.output_token_ids
+        np.testing.assert_allclose([lp[t] for lp, t in zip(s.output_logprobs, s.output_token_ids, strict=True)],
+                                   [lp[t] for lp, t in zip(u.output_logprobs, u.output_token_ids, strict=True)],
+                                   atol=2e-5)  # fmt: skip
+    if num_pages == 14:
+        assert sum(r.num_preemptions for r in runs["scan"]) > 0
+
+
+def test_scanned_pools_are_stacked_and_the_family_layout_comes_back():
+    eng = _engine("scan")
+    ((k, v),), cfg = eng.runner.kv, eng.runner.cfg
+    assert eng.runner.kv == [(k, v)]
+    assert k.shape == v.shape == (cfg.num_layers * 40, 4, cfg.num_kv_heads, cfg.head_dim)  # layer l: pages l*40..
+    unrolled = _engine("unroll")
+    want = dict(unrolled.runner.params.flat_state())
+    got = dict(eng.runner.family_params().flat_state())
+    assert set(got) == set(want)
+    for path, var in want.items():
+        np.testing.assert_array_equal(np.asarray(got[path][...]), np.asarray(var[...]))
+
+
+def test_page_copies_round_trip_on_stacked_pools():
+    """The host tier's gather/scatter programs on the scanned loop's pools: a page copied out holds every layer's K
+    and V at that page, and copied back into another page it reads the same."""
+    eng = _engine("scan")
+    eng.generate([list(range(1, 30))], SamplingParams(max_tokens=1, temperature=0.0))  # pages now hold K/V
+    runner = eng.runner
+    runner.enable_page_copies()
+    runner.kv = runner.copier.warmup(runner.kv)
+    (block,) = runner.pages_to_host(runner.gather_pages([2]))
+    layers = lambda a: np.asarray(a).reshape(3, 40, *a.shape[1:])  # noqa: E731  [layer, page, ...]
+    k, v = (layers(a) for a in runner.kv[0])
+    assert block.shape == (3, 2, 4, 2, 8)
+    np.testing.assert_array_equal(block[:, 0], k[:, 2])
+    np.testing.assert_array_equal(block[:, 1], v[:, 2])
+    assert np.abs(block).sum() > 0
+    before = k.copy()
+    runner.scatter_pages([37], [block])
+    k, v = (layers(a) for a in runner.kv[0])
+    np.testing.assert_array_equal(k[:, 37], k[:, 2])
+    np.testing.assert_array_equal(v[:, 37], v[:, 2])
+    before[:, 37] = k[:, 37]
+    np.testing.assert_array_equal(k, before)  # nothing else written (padding rows of the copy are dropped)
+    assert isinstance(runner.copier, PageCopier)
+
+
+WINDOWED = ModelConfig(**{**CFG, "layer_windows": (0, 8, 0)})
+
+
+@pytest.mark.parametrize(
+    "requested, cfg, mesh, backend, want",
+    [
+        ("auto", ModelConfig(**CFG), None, "cpu", "scan"),
+        ("auto", ModelConfig(**CFG), None, "gpu", "unroll"),
+        ("auto", ModelConfig(**CFG), None, "tpu", "unroll"),
+        ("auto", WINDOWED, None, "cpu", "unroll"),  # Gemma 3's alternating local/global layers
+        ("auto", ModelConfig(**CFG), "mesh", "cpu", "unroll"),
+        ("unroll", ModelConfig(**CFG), None, "cpu", "unroll"),
+        ("scan", ModelConfig(**CFG), None, "gpu", "scan"),
+    ],
+)
+def test_choose_layer_loop(requested, cfg, mesh, backend, want):
+    loop, why = choose_layer_loop(requested, cfg, mesh, backend)
+    assert loop == want
+    assert why
+
+
+@pytest.mark.parametrize("cfg, mesh, reason", [(WINDOWED, None, "layers differ"), (ModelConfig(**CFG), "m", "mesh")])
+def test_explicit_scan_that_cannot_run_names_the_setting(cfg, mesh, reason):
+    with pytest.raises(ValueError, match=f"layer_loop.*{reason}"):
+        choose_layer_loop("scan", cfg, mesh, "cpu")
+
+
+def test_windowed_model_runs_unrolled_under_auto():
+    eng = _engine("auto", layer_windows=(0, 8, 0))
+    assert eng.runner.layer_loop == "unroll" and len(eng.runner.kv) == 3
+
+
+def test_layer_loop_setting_is_checked_and_reaches_the_runner():
+    with pytest.raises(ValueError, match="layer_loop"):
+        CacheConfig(layer_loop="fused")
+    from jaxinfer.engine.build import cache_config
+
+    assert cache_config(EngineArgs(layer_loop="unroll"), ModelConfig(**CFG)).layer_loop == "unroll"
+
+
+def _pool_copies(hlo: str, elements: int) -> list[str]:
+    """copy instructions of a compiled module whose result has `elements` elements."""
+    out = []
+    for ln in hlo.splitlines():
+        m = re.match(r"\s*%\S+ = \w+\[([\d,]+)\]\S* copy\(", ln)
+        if m and int(np.prod([int(n) for n in m.group(1).split(",")])) == elements:
+            out.append(ln.strip()[:160])
+    return out
+
+
+@pytest.mark.parametrize("decode_only, t, s", [(True, 1, 1), (True, 4, 4), (False, 16, 4)])
+def test_scanned_step_updates_the_pools_in_place(decode_only, t, s):
+    """No copy of the pools in the compiled step: carried through the loop, they are written in place. (A one-row
+    write, XLA's dynamic-update-slice, copied the whole pool every layer before the runner padded it.)"""
+    eng = _engine("scan")
+    r, cc = eng.runner, eng.runner.cc
+    inp = pack([], t, s, cc.pages_per_seq, cc.block_size)
+    st = build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, False)
+    flat, layout = to_flat((inp, st))
+    hlo = paged_step.lower(model_def=r.model_def, weights=r.weights, cfg=r.cfg, kv=r.kv, feed=r.feed, flat=flat,
+                           layout=layout, decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs,
+                           ).compile().as_text()  # fmt: skip
+    assert "while" in hlo
+    assert not _pool_copies(hlo, r.kv[0][0].size), "the step copies the KV pool"
