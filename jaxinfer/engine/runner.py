@@ -89,7 +89,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
 
 
 def _paged_attend(
-    cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: str | None, mesh: Mesh | None, stacked: bool
+    cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: str | None, mesh: Mesh | None, stacked: bool = False
 ):
     def layer_attention(window: int, q, k, v, kp, vp, slots, table, ctx, qsl, nseq):
         """q f[T, H, Dh]; k, v f[T, Hkv, Dh]; kp, vp f[P, page, Hkv, Dh] -> (out f[T, H, Dh], kp, vp)."""
