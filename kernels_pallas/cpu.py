@@ -9,6 +9,10 @@ needs (a dynamic trip count), so the work follows the live context, not the tabl
 compiled. Each block attends its sequence's cached prefix and its own fresh tokens in one masked softmax (causal,
 sliding window, soft-cap), the chunks merged exactly by an online softmax (log-sum-exp rescaling).
 
+Decode (one query token per row) has its own path, `paged_decode_attention`: rows sorted by length into groups,
+each group walking its own KV chunks only as far as its longest row, K/V gathered as contiguous [keys, Hkv * D]
+rows that both dots read in place (a block-diagonal query instead of a transposed copy of K and V).
+
 Same contracts as `kernels_pallas.reference` (table entries past a row's length are ignored, padding tokens and
 rows with no keys give zeros).
 """
@@ -27,6 +31,11 @@ DEFAULT_BLOCK_Q = 16
 # Keys per step of the KV loop. The loop runs only as many steps as the longest live sequence needs (a dynamic
 # trip count), so however wide the page table (max_model_len), a step reads at most one chunk past the live keys.
 KV_CHUNK_TOKENS = 128  # fastest of 64/128/256/512 at SmolLM2 shapes (B=32 decode, T=256 mixed), noisy host
+# Decode: rows per group (each group runs its own KV loop, as far as its longest row), at most this many groups
+# (a bigger batch gets bigger groups), and keys per step of a group's loop.
+DECODE_GROUP_ROWS = 8
+DECODE_MAX_GROUPS = 8
+DECODE_KV_CHUNK_TOKENS = 64
 # Elements of gathered K (or V) per chunk of the KV loop, over all blocks (~64 MiB of f32): a smaller chunk if over.
 _GATHER_BUDGET = 1 << 24
 
@@ -135,6 +144,76 @@ def ragged_paged_attention(
     return result.at[tok.reshape(-1)].set(out, mode="drop", unique_indices=True)
 
 
+def _decode_group(
+    q: jax.Array,  # f[R, Hq, D] one query token per row
+    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    page_table: jax.Array,  # i32[R, W]
+    lengths: jax.Array,  # i32[R] >= 0
+    *,
+    scale: float,
+    sliding_window: int,
+    soft_cap: float | None,
+    chunk_pages: int,
+) -> jax.Array:  # f32[R, Hq, D]
+    """Decode attention of a group of rows, KV chunks only as far as the group's longest row (and, with a sliding
+    window, from the earliest chunk any row's window reaches)."""
+    rows, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    width = page_table.shape[1]
+    row_dim = num_kv_heads * head_dim
+    chunk = chunk_pages * page_size
+    q_pos = lengths - 1
+    kv_len = jnp.minimum(lengths, width * page_size)  # keys past the table do not exist
+    # A gathered key is one row of all its KV heads, [C, Hkv * D]: the page copies stay contiguous and both dots
+    # take it as it is (no transposed copy). Query head h then needs a block-diagonal [Hq, Hkv * D] operand, zero
+    # outside KV head h // G; the dots do Hkv times the useful flops, which costs less than transposing K and V.
+    own_head = jnp.arange(num_q_heads)[:, None] // group == jnp.arange(num_kv_heads)[None, :]  # [Hq, Hkv]
+    qs = q.astype(jnp.float32) * scale
+    q_blocks = jnp.where(own_head[None, :, :, None], qs[:, :, None, :], 0.0).reshape(rows, num_q_heads, row_dim)
+    used = jnp.arange(width, dtype=jnp.int32)[None, :] < cdiv(kv_len, page_size)[:, None]
+    page_ids = jnp.where(used, page_table, 0)  # entries past a row's pages may be garbage: page 0, masked
+    page_ids = jnp.pad(page_ids, ((0, 0), (0, cdiv(width, chunk_pages) * chunk_pages - width)))
+    k_rows = k_pages.reshape(num_pages, page_size, row_dim)
+    v_rows = v_pages.reshape(num_pages, page_size, row_dim)
+
+    def body(c, carry):
+        acc, m, denom = carry  # f32[R, Hq, Hkv * D], f32[R, Hq], f32[R, Hq]
+        ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=1)
+        k = jnp.take(k_rows, ids, axis=0, mode="clip").reshape(rows, chunk, row_dim)
+        v = jnp.take(v_rows, ids, axis=0, mode="clip").reshape(rows, chunk, row_dim)
+        k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
+        # Slots past the end may hold NaN/Inf garbage; p == 0 there, but 0 * NaN = NaN, so zero V itself.
+        v = jnp.where((k_pos < kv_len[:, None])[:, :, None], v.astype(jnp.float32), 0.0)
+        s = jnp.einsum("rnk,rck->rnc", q_blocks, k.astype(jnp.float32), preferred_element_type=jnp.float32)
+        s = apply_soft_cap(s, soft_cap)
+        mask = key_mask(q_pos[:, None], k_pos, kv_len[:, None], sliding_window)  # [R, C]
+        s = jnp.where(mask[:, None, :], s, NEG_INF)  # [R, Hq, C]
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        corr = jnp.exp(m - m_safe)
+        pv = jnp.einsum("rnc,rck->rnk", p, v, preferred_element_type=jnp.float32)
+        return acc * corr[..., None] + pv, m_new, denom * corr + jnp.sum(p, axis=-1)
+
+    init = (
+        jnp.zeros((rows, num_q_heads, row_dim), jnp.float32),
+        jnp.full((rows, num_q_heads), NEG_INF, jnp.float32),
+        jnp.zeros((rows, num_q_heads), jnp.float32),
+    )
+    stop = cdiv(jnp.max(kv_len, initial=0), chunk)
+    start = 0
+    if sliding_window > 0:  # chunks wholly before every row's window hold no key of this group
+        first = jnp.where(kv_len > 0, jnp.maximum(q_pos - sliding_window + 1, 0), width * page_size)
+        start = jnp.minimum(jnp.min(first) // chunk, stop)
+    acc, _, denom = lax.fori_loop(start, stop, body, init)
+    # Query head h keeps the block of its own KV head h // G.
+    acc = acc.reshape(rows, num_kv_heads, group, num_kv_heads, head_dim)
+    acc = jnp.moveaxis(jnp.diagonal(acc, axis1=1, axis2=3), -1, 1).reshape(rows, num_q_heads, head_dim)
+    return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
 def paged_decode_attention(
     q: jax.Array,  # f[B, Hq, D] one query token per sequence
     k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
@@ -146,10 +225,27 @@ def paged_decode_attention(
     sliding_window: int = 0,
     soft_cap: float | None = None,
 ) -> jax.Array:  # f[B, Hq, D], zeros for rows with length 0
-    """Decode is the ragged case with one token per row: blocks of one token, one gather of each row's pages."""
+    """Rows sorted by length and cut into groups of `DECODE_GROUP_ROWS`, each group with its own KV loop: a short
+    row does not walk the longest row's chunks, and a group's gathered K/V stay small enough to be read back from
+    cache by the dots."""
     batch = q.shape[0]
-    qsl = jnp.arange(batch + 1, dtype=jnp.int32)
-    return ragged_paged_attention(
-        q, k_pages, v_pages, page_table, lengths, qsl, jnp.int32(batch),
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, block_q=1,
-    )  # fmt: skip
+    page_size, width = k_pages.shape[1], page_table.shape[1]
+    lengths = jnp.maximum(lengths.astype(jnp.int32), 0)
+    page_table = page_table.astype(jnp.int32)
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    opts["chunk_pages"] = max(1, min(width, DECODE_KV_CHUNK_TOKENS // page_size))
+    rows = max(DECODE_GROUP_ROWS, cdiv(batch, DECODE_MAX_GROUPS))
+    if batch <= rows:
+        return _decode_group(q, k_pages, v_pages, page_table, lengths, **opts).astype(q.dtype)
+    order = jnp.argsort(-lengths, stable=True)  # longest first: rows of similar length share a group
+    pad = cdiv(batch, rows) * rows - batch
+    qs = jnp.pad(q[order], ((0, pad), (0, 0), (0, 0)))
+    tables = jnp.pad(page_table[order], ((0, pad), (0, 0)))
+    lens = jnp.pad(lengths[order], (0, pad))  # padding rows: length 0, no keys
+    out = jnp.concatenate(
+        [
+            _decode_group(qs[g : g + rows], k_pages, v_pages, tables[g : g + rows], lens[g : g + rows], **opts)
+            for g in range(0, batch, rows)
+        ]
+    )
+    return jnp.zeros(q.shape, q.dtype).at[order].set(out[:batch].astype(q.dtype), unique_indices=True)

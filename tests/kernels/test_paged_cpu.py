@@ -44,6 +44,27 @@ def test_cpu_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, w
     assert not np.any(np.asarray(out[0])), "length-0 row must be exactly zero"
 
 
+@pytest.mark.parametrize("group_rows,max_groups", [(3, 8), (2, 2)])
+@pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype", DECODE_CASES)
+def test_cpu_decode_row_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
+                                            group_rows, max_groups):  # fmt: skip
+    """More rows than a group: rows sorted by length into groups (the last one padded), each group's KV loop over
+    several chunks, as far as its own longest row (and from its first window chunk), and rows put back in order."""
+    monkeypatch.setattr(cpu, "DECODE_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(cpu, "DECODE_MAX_GROUPS", max_groups)
+    monkeypatch.setattr(cpu, "DECODE_KV_CHUNK_TOKENS", 2 * page_size)
+    ps = page_size
+    lengths = [0, 1, 5 * ps + 3, 2 * ps, ps - 1, 7 * ps, 3, 0, 4 * ps + 1, 9]
+    case = make_decode_case(
+        3, lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=page_size, dtype=dtype
+    )
+    opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+    out = jax.jit(lambda *a: cpu.paged_decode_attention(*a, **opts))(*case.args())  # a fresh trace per patch
+    assert out.shape == case.q.shape and out.dtype == dtype
+    _oracle_close(out, naive_decode(case, **opts), dtype)
+    assert not np.any(np.asarray(out[0])) and not np.any(np.asarray(out[7])), "length-0 rows must be exactly zero"
+
+
 # Every case at block_q 4 (blocks that split a sequence, and sequences shorter than a block), the first also at
 # 1 (every token its own block) and 16 (one block per sequence here).
 BLOCKED = [(*c[:-1], 4) for c in RAGGED_CASES] + [(*RAGGED_CASES[0][:-1], b) for b in (1, 16)]
