@@ -1,17 +1,20 @@
 """Paged attention for XLA:CPU: work proportional to the live tokens, in plain jnp (no Pallas backend on CPU).
 
 The reference gathers K/V once per *query token* (O(T * L) copies per layer for a prefill of T tokens over L keys)
-and decode reads the whole page-table width (`max_model_len`) of every row. Here the packed query tokens are cut
-into blocks of at most `block_q` tokens of one sequence, and K/V are gathered once per *block*: a prefill chunk of
-T tokens copies its sequence's pages T/block_q times instead of T times, and a decode row (a block of one token)
-reads its own pages. K/V are read in chunks of `KV_CHUNK_TOKENS` keys, only as many as the longest live sequence
-needs (a dynamic trip count), so the work follows the live context, not the table's width, and no extra shapes are
-compiled. Each block attends its sequence's cached prefix and its own fresh tokens in one masked softmax (causal,
-sliding window, soft-cap), the chunks merged exactly by an online softmax (log-sum-exp rescaling).
+and decode reads the whole page-table width (`max_model_len`) of every row. Here the packed query tokens of a
+sequence with more than one token are cut into blocks of at most `block_q` tokens, and K/V are gathered once per
+*block*: a prefill chunk of T tokens copies its sequence's pages T/block_q times instead of T times. K/V are read in
+chunks of `KV_CHUNK_TOKENS` keys with a dynamic trip count, so the work follows the live context, not the table's
+width, and no extra shapes are compiled. The blocks run in groups (`RAGGED_GROUP_BLOCKS`), each group's loop only
+as far as its own last query token (causal: an early block of a long prefill stops early; dead blocks cost nothing)
+and, with a sliding window, from the first chunk its window reaches. Each block attends its sequence's cached
+prefix and its own fresh tokens in one masked softmax (causal, sliding window, soft-cap), the chunks merged exactly
+by an online softmax (log-sum-exp rescaling).
 
-Decode (one query token per row) has its own path, `paged_decode_attention`: rows sorted by length into groups,
-each group walking its own KV chunks only as far as its longest row, K/V gathered as contiguous [keys, Hkv * D]
-rows that both dots read in place (a block-diagonal query instead of a transposed copy of K and V).
+Sequences with one query token (decodes, in a decode step or a mixed one) take the decode path: rows sorted by
+length into groups (`DECODE_GROUP_ROWS`), each group walking its own KV chunks only as far as its longest row, K/V
+gathered as contiguous [keys, Hkv * D] rows that both dots read in place (a block-diagonal query instead of a
+transposed copy of K and V).
 
 Same contracts as `kernels_pallas.reference` (table entries past a row's length are ignored, padding tokens and
 rows with no keys give zeros).
@@ -31,6 +34,9 @@ DEFAULT_BLOCK_Q = 16
 # Keys per step of the KV loop. The loop runs only as many steps as the longest live sequence needs (a dynamic
 # trip count), so however wide the page table (max_model_len), a step reads at most one chunk past the live keys.
 KV_CHUNK_TOKENS = 128  # fastest of 64/128/256/512 at SmolLM2 shapes (B=32 decode, T=256 mixed), noisy host
+# Blocks per group on the ragged path (each group runs its own KV loop), at most this many groups.
+RAGGED_GROUP_BLOCKS = 8
+RAGGED_MAX_GROUPS = 8
 # Decode: rows per group (each group runs its own KV loop, as far as its longest row), at most this many groups
 # (a bigger batch gets bigger groups), and keys per step of a group's loop.
 DECODE_GROUP_ROWS = 8
@@ -42,16 +48,13 @@ _GATHER_BUDGET = 1 << 24
 
 def _block_layout(
     query_start_loc: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[]
+    q_len: jax.Array,  # i32[S] tokens of each sequence on the block path (0: none)
     num_tokens: int,
     block_q: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per block: (seq i32[NB], first token i32[NB], its index within the sequence's query i32[NB], live tokens
     i32[NB]); NB = min(T, T // block_q + S) bounds sum over sequences of ceil(q_len / block_q)."""
     max_seqs = query_start_loc.shape[0] - 1
-    live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs
-    q_len = jnp.where(live, query_start_loc[1:] - query_start_loc[:-1], 0)
-    q_len = jnp.clip(q_len, 0, num_tokens)
     nblocks = cdiv(q_len, block_q)
     ends = jnp.cumsum(nblocks)  # blocks of sequences [0, s]
     num_blocks = min(num_tokens, num_tokens // block_q + max_seqs)  # and every block holds a token
@@ -61,6 +64,59 @@ def _block_layout(
     first = query_start_loc[seq] + j * block_q
     n_live = jnp.where(b < ends[-1], jnp.clip(q_len[seq] - j * block_q, 0, block_q), 0)
     return seq, first, j, n_live
+
+
+def _block_group(
+    qb: jax.Array,  # f[NB, Hkv, R, D] R = block_q * G query rows per (block, KV head)
+    q_pos_rows: jax.Array,  # i32[NB, R] absolute position of each row's token, -1 for padding rows
+    kv_len: jax.Array,  # i32[NB] keys of the block's sequence (0: dead block)
+    page_ids: jax.Array,  # i32[NB, W'] W' a multiple of chunk_pages, entries past kv_len point at page 0
+    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    *,
+    scale: float,
+    sliding_window: int,
+    soft_cap: float | None,
+    chunk_pages: int,
+) -> jax.Array:  # f32[NB, Hkv, R, D]
+    """Attention of a group of blocks, KV chunks only as far as its last query token (causal: a block never reads
+    keys past its own tokens) and, with a sliding window, from the first chunk its earliest window reaches."""
+    num_blocks, num_kv_heads, rows, head_dim = qb.shape
+    page_size = k_pages.shape[1]
+    chunk = chunk_pages * page_size
+
+    def body(c, carry):
+        acc, m, denom = carry  # f32[NB, Hkv, R, D], f32[NB, Hkv, R], f32[NB, Hkv, R]
+        ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=1)
+        k = jnp.take(k_pages, ids, axis=0, mode="clip").reshape(num_blocks, chunk, num_kv_heads, head_dim)
+        v = jnp.take(v_pages, ids, axis=0, mode="clip").reshape(num_blocks, chunk, num_kv_heads, head_dim)
+        k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
+        # Slots past the end may hold NaN/Inf garbage; p == 0 there, but 0 * NaN = NaN, so zero V itself.
+        v = jnp.where((k_pos < kv_len[:, None])[:, :, None, None], v, jnp.zeros((), v.dtype))
+        s = jnp.einsum("bhrd,bchd->bhrc", qb, k, preferred_element_type=jnp.float32)
+        s = apply_soft_cap(s * scale, soft_cap)
+        mask = key_mask(q_pos_rows[:, :, None], k_pos[:, None, :], kv_len[:, None, None], sliding_window)
+        s = jnp.where(mask[:, None], s, NEG_INF)  # [NB, Hkv, R, C]
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        corr = jnp.exp(m - m_safe)
+        pv = jnp.einsum("bhrc,bchd->bhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc * corr[..., None] + pv, m_new, denom * corr + jnp.sum(p, axis=-1)
+
+    init = (
+        jnp.zeros((num_blocks, num_kv_heads, rows, head_dim), jnp.float32),
+        jnp.full((num_blocks, num_kv_heads, rows), NEG_INF, jnp.float32),
+        jnp.zeros((num_blocks, num_kv_heads, rows), jnp.float32),
+    )
+    stop = cdiv(jnp.max(q_pos_rows, initial=-1) + 1, chunk)  # padding rows are -1
+    start = 0
+    if sliding_window > 0:
+        live = q_pos_rows >= 0
+        first = jnp.where(live, jnp.maximum(q_pos_rows - sliding_window + 1, 0), page_ids.shape[1] * page_size)
+        start = jnp.minimum(jnp.min(first) // chunk, stop)
+    acc, _, denom = lax.fori_loop(start, stop, body, init)
+    return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
 
 
 def ragged_paged_attention(
@@ -81,14 +137,25 @@ def ragged_paged_attention(
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     width = page_table.shape[1]
+    max_seqs = query_start_loc.shape[0] - 1
     block_q = max(1, min(block_q, num_tokens))
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     context_lens = context_lens.astype(jnp.int32)
     query_start_loc = query_start_loc.astype(jnp.int32)
+    page_table = page_table.astype(jnp.int32)
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
-    seq, first, j, n_live = _block_layout(query_start_loc, num_seqs, num_tokens, block_q)
+    live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs
+    seq_q_len = jnp.clip(jnp.where(live, query_start_loc[1:] - query_start_loc[:-1], 0), 0, num_tokens)
+    # Sequences with one query token (decodes) take the decode path: a block of one token would waste the rest of
+    # its block_q rows. The others are cut into blocks.
+    one = seq_q_len == 1
+    one_tok = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)
+    one_out = _decode_rows(q[one_tok], k_pages, v_pages, page_table, jnp.where(one, context_lens, 0), **opts)
+
+    seq, first, j, n_live = _block_layout(query_start_loc, jnp.where(one, 0, seq_q_len), num_tokens, block_q)
     num_blocks = seq.shape[0]
-    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    q_len = seq_q_len[seq]
     kv_len = jnp.where(n_live > 0, context_lens[seq], 0)  # [NB]
     i = jnp.arange(block_q, dtype=jnp.int32)[None, :]
     row_live = i < n_live[:, None]  # [NB, Bq]
@@ -101,47 +168,30 @@ def ragged_paged_attention(
     qb = qb.reshape(num_blocks, num_kv_heads, block_q * group, head_dim)
     q_pos_rows = jnp.repeat(q_pos, group, axis=1)  # [NB, Bq * G], row r is token r // G
 
+    # Blocks in groups, each with its own KV loop: dead blocks (past the live ones) cost nothing, and an early block
+    # of a long prefill stops at its own last token.
+    gb = max(RAGGED_GROUP_BLOCKS, cdiv(num_blocks, RAGGED_MAX_GROUPS))
+    pad = cdiv(num_blocks, gb) * gb - num_blocks
     # Pages past a row's length point at page 0 (always in range); the key mask hides what it holds.
     used = jnp.arange(width, dtype=jnp.int32)[None, :] < cdiv(kv_len, page_size)[:, None]
-    page_ids = jnp.where(used, page_table.astype(jnp.int32)[seq], 0)  # [NB, W]
-    by_budget = _GATHER_BUDGET // max(1, num_blocks * page_size * num_kv_heads * head_dim)
+    page_ids = jnp.where(used, page_table[seq], 0)  # [NB, W]
+    by_budget = _GATHER_BUDGET // max(1, min(gb, num_blocks) * page_size * num_kv_heads * head_dim)
     chunk_pages = max(1, min(width, KV_CHUNK_TOKENS // page_size, by_budget))
-    padded = cdiv(width, chunk_pages) * chunk_pages
-    page_ids = jnp.pad(page_ids, ((0, 0), (0, padded - width)))
-    chunk = chunk_pages * page_size
-
-    def body(c, carry):
-        acc, m, denom = carry  # f32[NB, Hkv, R, D], f32[NB, Hkv, R], f32[NB, Hkv, R]
-        ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=1)
-        k = jnp.take(k_pages, ids, axis=0).reshape(num_blocks, chunk, num_kv_heads, head_dim)
-        v = jnp.take(v_pages, ids, axis=0).reshape(num_blocks, chunk, num_kv_heads, head_dim)
-        k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
-        # Slots past the end may hold NaN/Inf garbage; p == 0 there, but 0 * NaN = NaN, so zero V itself.
-        v = jnp.where((k_pos < kv_len[:, None])[:, :, None, None], v, jnp.zeros((), v.dtype))
-        s = jnp.einsum("bhrd,bchd->bhrc", qb, k, preferred_element_type=jnp.float32)
-        s = apply_soft_cap(s * scale, soft_cap)
-        mask = key_mask(q_pos_rows[:, :, None], k_pos[:, None, :], kv_len[:, None, None], sliding_window)
-        s = jnp.where(mask[:, None], s, NEG_INF)  # [NB, Hkv, R, C]
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        corr = jnp.exp(m - m_safe)
-        pv = jnp.einsum("bhrc,bchd->bhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return acc * corr[..., None] + pv, m_new, denom * corr + jnp.sum(p, axis=-1)
-
-    rows = block_q * group
-    init = (
-        jnp.zeros((num_blocks, num_kv_heads, rows, head_dim), jnp.float32),
-        jnp.full((num_blocks, num_kv_heads, rows), NEG_INF, jnp.float32),
-        jnp.zeros((num_blocks, num_kv_heads, rows), jnp.float32),
-    )
-    # Only as many chunks as the longest live sequence needs (a dynamic trip count).
-    acc, _, denom = lax.fori_loop(0, cdiv(jnp.max(kv_len, initial=0), chunk), body, init)
-    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    page_ids = jnp.pad(page_ids, ((0, pad), (0, cdiv(width, chunk_pages) * chunk_pages - width)))
+    qb = jnp.pad(qb, ((0, pad), (0, 0), (0, 0), (0, 0)))
+    q_pos_rows = jnp.pad(q_pos_rows, ((0, pad), (0, 0)), constant_values=-1)
+    kv_len = jnp.pad(kv_len, (0, pad))
+    outs = []
+    for g in range(0, num_blocks, gb):
+        blocks = slice(g, g + gb)
+        args = (qb[blocks], q_pos_rows[blocks], kv_len[blocks], page_ids[blocks], k_pages, v_pages)
+        outs.append(_block_group(*args, chunk_pages=chunk_pages, **opts))
+    out = jnp.concatenate(outs)[:num_blocks]
     out = out.reshape(num_blocks, num_kv_heads, block_q, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(num_blocks * block_q, num_q_heads, head_dim).astype(q.dtype)
     result = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
-    return result.at[tok.reshape(-1)].set(out, mode="drop", unique_indices=True)
+    result = result.at[tok.reshape(-1)].set(out, mode="drop", unique_indices=True)
+    return result.at[jnp.where(one, one_tok, num_tokens)].set(one_out.astype(q.dtype), mode="drop")
 
 
 def _decode_group(
@@ -214,17 +264,17 @@ def _decode_group(
     return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
 
 
-def paged_decode_attention(
-    q: jax.Array,  # f[B, Hq, D] one query token per sequence
+def _decode_rows(
+    q: jax.Array,  # f[B, Hq, D] one query token per row
     k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
     v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
     page_table: jax.Array,  # i32[B, W]
-    lengths: jax.Array,  # i32[B] valid KV tokens incl. the current one
+    lengths: jax.Array,  # i32[B] valid KV tokens incl. the current one (0: no keys, zeros out)
     *,
     scale: float,
-    sliding_window: int = 0,
-    soft_cap: float | None = None,
-) -> jax.Array:  # f[B, Hq, D], zeros for rows with length 0
+    sliding_window: int,
+    soft_cap: float | None,
+) -> jax.Array:  # f32[B, Hq, D]
     """Rows sorted by length and cut into groups of `DECODE_GROUP_ROWS`, each group with its own KV loop: a short
     row does not walk the longest row's chunks, and a group's gathered K/V stay small enough to be read back from
     cache by the dots."""
@@ -236,7 +286,7 @@ def paged_decode_attention(
     opts["chunk_pages"] = max(1, min(width, DECODE_KV_CHUNK_TOKENS // page_size))
     rows = max(DECODE_GROUP_ROWS, cdiv(batch, DECODE_MAX_GROUPS))
     if batch <= rows:
-        return _decode_group(q, k_pages, v_pages, page_table, lengths, **opts).astype(q.dtype)
+        return _decode_group(q, k_pages, v_pages, page_table, lengths, **opts)
     order = jnp.argsort(-lengths, stable=True)  # longest first: rows of similar length share a group
     pad = cdiv(batch, rows) * rows - batch
     qs = jnp.pad(q[order], ((0, pad), (0, 0), (0, 0)))
@@ -248,4 +298,20 @@ def paged_decode_attention(
             for g in range(0, batch, rows)
         ]
     )
-    return jnp.zeros(q.shape, q.dtype).at[order].set(out[:batch].astype(q.dtype), unique_indices=True)
+    return jnp.zeros(out[:batch].shape, out.dtype).at[order].set(out[:batch], unique_indices=True)
+
+
+def paged_decode_attention(
+    q: jax.Array,  # f[B, Hq, D] one query token per sequence
+    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    page_table: jax.Array,  # i32[B, W]
+    lengths: jax.Array,  # i32[B] valid KV tokens incl. the current one
+    *,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float | None = None,
+) -> jax.Array:  # f[B, Hq, D], zeros for rows with length 0
+    out = _decode_rows(q, k_pages, v_pages, page_table, lengths, scale=scale, sliding_window=sliding_window,
+                       soft_cap=soft_cap)  # fmt: skip
+    return out.astype(q.dtype)

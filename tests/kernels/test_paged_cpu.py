@@ -83,6 +83,31 @@ def test_cpu_ragged_matches_oracle_and_reference(head_dim, hq, hkv, page_size, w
     assert not np.any(np.asarray(out[-3:])), "padding tokens must be exactly zero"
 
 
+@pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype,chunk", RAGGED_CASES)
+def test_cpu_ragged_block_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
+                                              chunk):  # fmt: skip
+    """Small groups everywhere: blocks in several groups (the last padded, some all dead), each group's KV loop over
+    one-page chunks up to its own last token (from its first window chunk), and decode tokens in groups of two."""
+    monkeypatch.setattr(cpu, "RAGGED_GROUP_BLOCKS", 2)
+    monkeypatch.setattr(cpu, "RAGGED_MAX_GROUPS", 3)
+    monkeypatch.setattr(cpu, "KV_CHUNK_TOKENS", page_size)
+    monkeypatch.setattr(cpu, "DECODE_GROUP_ROWS", 2)
+    monkeypatch.setattr(cpu, "DECODE_KV_CHUNK_TOKENS", page_size)
+    # (3, 2 * page_size + 1): a block whose last token is the first key of a chunk.
+    seqs = (
+        [(3, 2 * page_size + 1)]
+        + SEQS
+        + [(1, 3 * page_size + 2), (2 * page_size + 1, 3 * page_size), (1, 2 * page_size)]
+    )
+    case = make_ragged_case(5, seqs, max_seqs=len(seqs) + 1, pad_tokens=2, num_q_heads=hq, num_kv_heads=hkv,
+                            head_dim=head_dim, page_size=page_size, dtype=dtype)  # fmt: skip
+    opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+    out = jax.jit(lambda *a: cpu.ragged_paged_attention(*a, **opts, block_q=4))(*case.args())  # a fresh trace
+    assert out.shape == case.q.shape and out.dtype == dtype
+    _oracle_close(out, naive_ragged(case, **opts), dtype)
+    assert not np.any(np.asarray(out[-2:])), "padding tokens must be exactly zero"
+
+
 def test_cpu_ragged_long_prefix_streams_kv_chunks(monkeypatch):
     """A budget small enough that the KV loop takes several chunks (the online-softmax merge across chunks)."""
     monkeypatch.setattr(cpu, "_GATHER_BUDGET", 1)
