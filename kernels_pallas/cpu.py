@@ -88,12 +88,15 @@ def _block_group(
     def body(c, carry):
         acc, m, denom = carry  # f32[NB, Hkv, R, D], f32[NB, Hkv, R], f32[NB, Hkv, R]
         ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=1)
+        # [NB, Hkv, C, D]: heads ahead of keys, so the dots take K and V as they are. Left to the einsum, K would be
+        # transposed to [NB, Hkv, D, C] instead, a 4-byte strided copy (slower: a 512-token prefill ~10%).
         k = jnp.take(k_pages, ids, axis=0, mode="clip").reshape(num_blocks, chunk, num_kv_heads, head_dim)
         v = jnp.take(v_pages, ids, axis=0, mode="clip").reshape(num_blocks, chunk, num_kv_heads, head_dim)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
         # Slots past the end may hold NaN/Inf garbage; p == 0 there, but 0 * NaN = NaN, so zero V itself.
-        v = jnp.where((k_pos < kv_len[:, None])[:, :, None, None], v, jnp.zeros((), v.dtype))
-        s = jnp.einsum("bhrd,bchd->bhrc", qb, k, preferred_element_type=jnp.float32)
+        v = jnp.where((k_pos < kv_len[:, None])[:, None, :, None], v, jnp.zeros((), v.dtype))
+        s = jnp.einsum("bhrd,bhcd->bhrc", qb, k, preferred_element_type=jnp.float32)
         s = apply_soft_cap(s * scale, soft_cap)
         mask = key_mask(q_pos_rows[:, :, None], k_pos[:, None, :], kv_len[:, None, None], sliding_window)
         s = jnp.where(mask[:, None], s, NEG_INF)  # [NB, Hkv, R, C]
@@ -101,7 +104,7 @@ def _block_group(
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
         p = jnp.exp(s - m_safe[..., None])
         corr = jnp.exp(m - m_safe)
-        pv = jnp.einsum("bhrc,bchd->bhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("bhrc,bhcd->bhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc * corr[..., None] + pv, m_new, denom * corr + jnp.sum(p, axis=-1)
 
     init = (
