@@ -86,12 +86,11 @@ def test_cpu_ragged_matches_oracle_and_reference(head_dim, hq, hkv, page_size, w
 @pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype,chunk", RAGGED_CASES)
 def test_cpu_ragged_block_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
                                               chunk):  # fmt: skip
-    """Small groups everywhere: blocks in several groups (the last padded, some all dead), each group's KV loop over
-    one-page chunks up to its own last token (from its first window chunk), and decode tokens in groups of two."""
+    """Small groups: blocks in several groups (the last padded, some all dead), each group's KV loop over one-page
+    chunks up to its own last token (from its first window chunk); the decode tokens over one-page chunks too."""
     monkeypatch.setattr(cpu, "RAGGED_GROUP_BLOCKS", 2)
     monkeypatch.setattr(cpu, "RAGGED_MAX_GROUPS", 3)
     monkeypatch.setattr(cpu, "KV_CHUNK_TOKENS", page_size)
-    monkeypatch.setattr(cpu, "DECODE_GROUP_ROWS", 2)
     monkeypatch.setattr(cpu, "DECODE_KV_CHUNK_TOKENS", page_size)
     # (3, 2 * page_size + 1): a block whose last token is the first key of a chunk.
     seqs = (
