@@ -28,8 +28,9 @@ from jax import lax
 
 from kernels_pallas.common import NEG_INF, apply_soft_cap, cdiv, key_mask
 
-# Query tokens per block: a decode row wastes at most block_q - 1 rows of a block, a prefill chunk copies its
-# pages once per block_q tokens. 16 was fastest of 8/16/32 at SmolLM2 shapes (a T=256 mixed step; benchmarks/README).
+# Query tokens per block: a sequence's last block wastes up to block_q - 1 rows, a prefill chunk copies its pages
+# once per block_q tokens. 16 was fastest of 8/16/32 at SmolLM2 shapes (a T=256 mixed step; benchmarks/README), and
+# again against 32 for a 512-token prefill and the mixed step once decodes took their own path.
 DEFAULT_BLOCK_Q = 16
 # Keys per step of the KV loop. The loop runs only as many steps as the longest live sequence needs (a dynamic
 # trip count), so however wide the page table (max_model_len), a step reads at most one chunk past the live keys.
@@ -173,7 +174,7 @@ def ragged_paged_attention(
     one_tok = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)
     # One group (no sort): in this program, groups of decode rows cost more compile time (~1.4 s more for 30
     # layers) than they save at run time (a few %: a mixed step's decodes are the smaller part of it).
-    one_lens = jnp.where(one, context_lens, 0)
+    one_lens = jnp.where(one, jnp.maximum(context_lens, 0), 0)
     chunk_pages = max(1, min(width, DECODE_KV_CHUNK_TOKENS // page_size))
     one_out = _decode_group(q[one_tok], k_pages, v_pages, page_table, one_lens, **opts, chunk_pages=chunk_pages)
 
@@ -329,6 +330,7 @@ def paged_decode_attention(
     sliding_window: int = 0,
     soft_cap: float | None = None,
 ) -> jax.Array:  # f[B, Hq, D], zeros for rows with length 0
+    """One query token per row: rows grouped by length, K/V read in place (see the module docstring)."""
     out = _decode_rows(q, k_pages, v_pages, page_table, lengths, scale=scale, sliding_window=sliding_window,
                        soft_cap=soft_cap)  # fmt: skip
     return out.astype(q.dtype)
