@@ -29,8 +29,8 @@ from jax import lax
 from kernels_pallas.common import NEG_INF, apply_soft_cap, cdiv, key_mask
 
 # Query tokens per block: a sequence's last block wastes up to block_q - 1 rows, a prefill chunk copies its pages
-# once per block_q tokens. 16 was fastest of 8/16/32 at SmolLM2 shapes (a T=256 mixed step; benchmarks/README), and
-# again against 32 for a 512-token prefill and the mixed step once decodes took their own path.
+# once per block_q tokens. 16 was fastest of 8/16/32 at SmolLM2 shapes (a T=256 mixed step; benchmarks/README); with
+# decodes on their own path, 16 still beat 32 on the mixed step, and the two were within noise on a 512-token prefill.
 DEFAULT_BLOCK_Q = 16
 # Keys per step of the KV loop. The loop runs only as many steps as the longest live sequence needs (a dynamic
 # trip count), so however wide the page table (max_model_len), a step reads at most one chunk past the live keys.
