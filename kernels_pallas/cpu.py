@@ -43,6 +43,9 @@ RAGGED_MAX_GROUPS = 8
 DECODE_GROUP_ROWS = 8
 DECODE_MAX_GROUPS = 8
 DECODE_KV_CHUNK_TOKENS = 64
+# Widest K/V row (Hkv * D elements) the decode path reads with a block-diagonal query (see _decode_group). Measured at
+# B=32: block-diagonal faster for 3x64, 2x64, 4x64, 6x64; per-head dots faster for 4x128, 8x64, 8x128.
+DECODE_BLOCK_DIAG_MAX_ROW = 384
 # Elements of gathered K (or V) per chunk of the KV loop, over all blocks (~64 MiB of f32): a smaller chunk if over.
 _GATHER_BUDGET = 1 << 24
 
@@ -237,12 +240,19 @@ def _decode_group(
     chunk = chunk_pages * page_size
     q_pos = lengths - 1
     kv_len = jnp.minimum(lengths, width * page_size)  # keys past the table do not exist
-    # A gathered key is one row of all its KV heads, [C, Hkv * D]: the page copies stay contiguous and both dots
-    # take it as it is (no transposed copy). Query head h then needs a block-diagonal [Hq, Hkv * D] operand, zero
-    # outside KV head h // G; the dots do Hkv times the useful flops, which costs less than transposing K and V.
-    own_head = jnp.arange(num_q_heads)[:, None] // group == jnp.arange(num_kv_heads)[None, :]  # [Hq, Hkv]
     qs = q.astype(jnp.float32) * scale
-    q_blocks = jnp.where(own_head[None, :, :, None], qs[:, :, None, :], 0.0).reshape(rows, num_q_heads, row_dim)
+    # A gathered key is one row of all its KV heads, [C, Hkv * D]. Narrow rows (SmolLM2: 3 x 64): both dots take it
+    # as it is, and query head h gets a block-diagonal [Hq, Hkv * D] operand, zero outside KV head h // G; the dots
+    # do Hkv times the useful flops, which costs less than transposing K and V. Wide rows: K and V transposed to
+    # [R, Hkv, C, D] and one small dot per (row, KV head), as the flops would cost more (8 x 128: ~2x slower).
+    block_diag = num_kv_heads == 1 or row_dim <= DECODE_BLOCK_DIAG_MAX_ROW
+    if block_diag:
+        own_head = jnp.arange(num_q_heads)[:, None] // group == jnp.arange(num_kv_heads)[None, :]  # [Hq, Hkv]
+        q_op = jnp.where(own_head[None, :, :, None], qs[:, :, None, :], 0.0).reshape(rows, num_q_heads, row_dim)
+        acc_shape = (rows, num_q_heads, row_dim)
+    else:
+        q_op = qs.reshape(rows, num_kv_heads, group, head_dim)
+        acc_shape = (rows, num_kv_heads, group, head_dim)
     used = jnp.arange(width, dtype=jnp.int32)[None, :] < cdiv(kv_len, page_size)[:, None]
     page_ids = jnp.where(used, page_table, 0)  # entries past a row's pages may be garbage: page 0, masked
     page_ids = jnp.pad(page_ids, ((0, 0), (0, cdiv(width, chunk_pages) * chunk_pages - width)))
@@ -250,14 +260,20 @@ def _decode_group(
     v_rows = v_pages.reshape(num_pages, page_size, row_dim)
 
     def body(c, carry):
-        acc, m, denom = carry  # f32[R, Hq, Hkv * D], f32[R, Hq], f32[R, Hq]
+        acc, m, denom = carry  # f32[acc_shape], f32[R, Hq], f32[R, Hq]
         ids = lax.dynamic_slice_in_dim(page_ids, c * chunk_pages, chunk_pages, axis=1)
-        k = jnp.take(k_rows, ids, axis=0, mode="clip").reshape(rows, chunk, row_dim)
-        v = jnp.take(v_rows, ids, axis=0, mode="clip").reshape(rows, chunk, row_dim)
+        k = jnp.take(k_rows, ids, axis=0, mode="clip").reshape(rows, chunk, row_dim).astype(jnp.float32)
+        v = jnp.take(v_rows, ids, axis=0, mode="clip").reshape(rows, chunk, row_dim).astype(jnp.float32)
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
         # Slots past the end may hold NaN/Inf garbage; p == 0 there, but 0 * NaN = NaN, so zero V itself.
-        v = jnp.where((k_pos < kv_len[:, None])[:, :, None], v.astype(jnp.float32), 0.0)
-        s = jnp.einsum("rnk,rck->rnc", q_blocks, k.astype(jnp.float32), preferred_element_type=jnp.float32)
+        v = jnp.where((k_pos < kv_len[:, None])[:, :, None], v, 0.0)
+        if block_diag:
+            s = jnp.einsum("rnk,rck->rnc", q_op, k, preferred_element_type=jnp.float32)
+        else:
+            k = k.reshape(rows, chunk, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+            v = v.reshape(rows, chunk, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+            s = jnp.einsum("rhgd,rhcd->rhgc", q_op, k, preferred_element_type=jnp.float32)
+            s = s.reshape(rows, num_q_heads, chunk)
         s = apply_soft_cap(s, soft_cap)
         mask = key_mask(q_pos[:, None], k_pos, kv_len[:, None], sliding_window)  # [R, C]
         s = jnp.where(mask[:, None, :], s, NEG_INF)  # [R, Hq, C]
@@ -265,11 +281,15 @@ def _decode_group(
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
         p = jnp.exp(s - m_safe[..., None])
         corr = jnp.exp(m - m_safe)
-        pv = jnp.einsum("rnc,rck->rnk", p, v, preferred_element_type=jnp.float32)
-        return acc * corr[..., None] + pv, m_new, denom * corr + jnp.sum(p, axis=-1)
+        if block_diag:
+            pv = jnp.einsum("rnc,rck->rnk", p, v, preferred_element_type=jnp.float32)
+        else:
+            pv = jnp.einsum("rhgc,rhcd->rhgd", p.reshape(rows, num_kv_heads, group, chunk), v)
+        corr_acc = corr.reshape(acc_shape[:-1])[..., None]
+        return acc * corr_acc + pv, m_new, denom * corr + jnp.sum(p, axis=-1)
 
     init = (
-        jnp.zeros((rows, num_q_heads, row_dim), jnp.float32),
+        jnp.zeros(acc_shape, jnp.float32),
         jnp.full((rows, num_q_heads), NEG_INF, jnp.float32),
         jnp.zeros((rows, num_q_heads), jnp.float32),
     )
@@ -279,9 +299,10 @@ def _decode_group(
         first = jnp.where(kv_len > 0, jnp.maximum(q_pos - sliding_window + 1, 0), width * page_size)
         start = jnp.minimum(jnp.min(first) // chunk, stop)
     acc, _, denom = lax.fori_loop(start, stop, body, init)
-    # Query head h keeps the block of its own KV head h // G.
-    acc = acc.reshape(rows, num_kv_heads, group, num_kv_heads, head_dim)
-    acc = jnp.moveaxis(jnp.diagonal(acc, axis1=1, axis2=3), -1, 1).reshape(rows, num_q_heads, head_dim)
+    if block_diag:  # query head h keeps the block of its own KV head h // G
+        acc = acc.reshape(rows, num_kv_heads, group, num_kv_heads, head_dim)
+        acc = jnp.moveaxis(jnp.diagonal(acc, axis1=1, axis2=3), -1, 1)
+    acc = acc.reshape(rows, num_q_heads, head_dim)
     return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
 
 

@@ -44,14 +44,17 @@ def test_cpu_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, w
     assert not np.any(np.asarray(out[0])), "length-0 row must be exactly zero"
 
 
-@pytest.mark.parametrize("group_rows,max_groups", [(3, 8), (2, 2)])
+# (rows per group, most groups, widest block-diagonal row): per-head dots wherever Hkv > 1, block-diagonal everywhere.
+@pytest.mark.parametrize("group_rows,max_groups,max_row", [(3, 8, 0), (2, 2, 1 << 20)])
 @pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype", DECODE_CASES)
 def test_cpu_decode_row_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
-                                            group_rows, max_groups):  # fmt: skip
+                                            group_rows, max_groups, max_row):  # fmt: skip
     """More rows than a group: rows sorted by length into groups (the last one padded), each group's KV loop over
-    several chunks, as far as its own longest row (and from its first window chunk), and rows put back in order."""
+    several chunks, as far as its own longest row (and from its first window chunk), and rows put back in order;
+    both layouts of a group's dots."""
     monkeypatch.setattr(cpu, "DECODE_GROUP_ROWS", group_rows)
     monkeypatch.setattr(cpu, "DECODE_MAX_GROUPS", max_groups)
+    monkeypatch.setattr(cpu, "DECODE_BLOCK_DIAG_MAX_ROW", max_row)
     monkeypatch.setattr(cpu, "DECODE_KV_CHUNK_TOKENS", 2 * page_size)
     ps = page_size
     lengths = [0, 1, 5 * ps + 3, 2 * ps, ps - 1, 7 * ps, 3, 0, 4 * ps + 1, 9]
