@@ -3,8 +3,9 @@
     python -m benchmarks.ab_cpu_attention --out ab.json
 
 SmolLM2-135M heads (9 query, 3 KV, head dim 64), f32, page 16, and the page-table width of a plain `LLM()`
-(`max_model_len` 4096: 256 pages per row): a batch-32 decode over contexts of 150-384 tokens, and a T=256 mixed
-step (31 decodes and a 225-token prefill). Prints ms per layer call (median), the ratio, and the max difference.
+(`max_model_len` 4096: 256 pages per row): decodes of batch 32, 8 and 1 over contexts of 150-384 tokens, a T=256
+mixed step (31 decodes and a 225-token prefill), and a 512-token prefill. Prints ms per layer call (median), the
+ratio, and the max difference.
 """
 
 from __future__ import annotations
@@ -50,13 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
-    decode = _case(rng, rng.integers(150, 384, 32).tolist(), [1] * 32)
-    mixed = _case(rng, rng.integers(150, 384, 31).tolist() + [225], [1] * 31 + [225])
+    decode = lambda m: lambda q, k, v, t, n, *_: m.paged_decode_attention(q, k, v, t, n, scale=0.125)
+    ragged = lambda m: lambda *a: m.ragged_paged_attention(*a, scale=0.125)
     cases = {
-        "decode B=32": (decode, lambda m: lambda q, k, v, t, n, *_: m.paged_decode_attention(q, k, v, t, n,
-                                                                                             scale=0.125)),
-        "mixed T=256": (mixed, lambda m: lambda *a: m.ragged_paged_attention(*a, scale=0.125)),
-    }  # fmt: skip
+        "decode B=32": (_case(rng, rng.integers(150, 384, 32).tolist(), [1] * 32), decode),
+        "mixed T=256": (_case(rng, rng.integers(150, 384, 31).tolist() + [225], [1] * 31 + [225]), ragged),
+        "decode B=8": (_case(rng, rng.integers(150, 384, 8).tolist(), [1] * 8), decode),
+        "decode B=1": (_case(rng, [300], [1]), decode),
+        "prefill T=512": (_case(rng, [512], [512]), ragged),
+    }
     rows = []
     for name, (case, make) in cases.items():
         ref_s, ref_out = _time(make(reference), case, args.iters)

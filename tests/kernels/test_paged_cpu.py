@@ -44,6 +44,30 @@ def test_cpu_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, w
     assert not np.any(np.asarray(out[0])), "length-0 row must be exactly zero"
 
 
+# (rows per group, most groups, widest block-diagonal row): per-head dots wherever Hkv > 1, block-diagonal everywhere.
+@pytest.mark.parametrize("group_rows,max_groups,max_row", [(3, 8, 0), (2, 2, 1 << 20)])
+@pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype", DECODE_CASES)
+def test_cpu_decode_row_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
+                                            group_rows, max_groups, max_row):  # fmt: skip
+    """More rows than a group: rows sorted by length into groups (the last one padded), each group's KV loop over
+    several chunks, as far as its own longest row (and from its first window chunk), and rows put back in order;
+    both layouts of a group's dots."""
+    monkeypatch.setattr(cpu, "DECODE_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(cpu, "DECODE_MAX_GROUPS", max_groups)
+    monkeypatch.setattr(cpu, "DECODE_BLOCK_DIAG_MAX_ROW", max_row)
+    monkeypatch.setattr(cpu, "DECODE_KV_CHUNK_TOKENS", 2 * page_size)
+    ps = page_size
+    lengths = [0, 1, 5 * ps + 3, 2 * ps, ps - 1, 7 * ps, 3, 0, 4 * ps + 1, 9]
+    case = make_decode_case(
+        3, lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=page_size, dtype=dtype
+    )
+    opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+    out = jax.jit(lambda *a: cpu.paged_decode_attention(*a, **opts))(*case.args())  # a fresh trace per patch
+    assert out.shape == case.q.shape and out.dtype == dtype
+    _oracle_close(out, naive_decode(case, **opts), dtype)
+    assert not np.any(np.asarray(out[0])) and not np.any(np.asarray(out[7])), "length-0 rows must be exactly zero"
+
+
 # Every case at block_q 4 (blocks that split a sequence, and sequences shorter than a block), the first also at
 # 1 (every token its own block) and 16 (one block per sequence here).
 BLOCKED = [(*c[:-1], 4) for c in RAGGED_CASES] + [(*RAGGED_CASES[0][:-1], b) for b in (1, 16)]
@@ -60,6 +84,30 @@ def test_cpu_ragged_matches_oracle_and_reference(head_dim, hq, hkv, page_size, w
     ref = jax.jit(reference.ragged_paged_attention, static_argnames=STATIC[:3])(*case.args(), **opts)
     assert_close(out, np.asarray(ref.astype(jnp.float32)), dtype)
     assert not np.any(np.asarray(out[-3:])), "padding tokens must be exactly zero"
+
+
+@pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype,chunk", RAGGED_CASES)
+def test_cpu_ragged_block_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
+                                              chunk):  # fmt: skip
+    """Small groups: blocks in several groups (the last padded, some all dead), each group's KV loop over one-page
+    chunks up to its own last token (from its first window chunk); the decode tokens over one-page chunks too."""
+    monkeypatch.setattr(cpu, "RAGGED_GROUP_BLOCKS", 2)
+    monkeypatch.setattr(cpu, "RAGGED_MAX_GROUPS", 3)
+    monkeypatch.setattr(cpu, "KV_CHUNK_TOKENS", page_size)
+    monkeypatch.setattr(cpu, "DECODE_KV_CHUNK_TOKENS", page_size)
+    # (3, 2 * page_size + 1): a block whose last token is the first key of a chunk.
+    seqs = (
+        [(3, 2 * page_size + 1)]
+        + SEQS
+        + [(1, 3 * page_size + 2), (2 * page_size + 1, 3 * page_size), (1, 2 * page_size)]
+    )
+    case = make_ragged_case(5, seqs, max_seqs=len(seqs) + 1, pad_tokens=2, num_q_heads=hq, num_kv_heads=hkv,
+                            head_dim=head_dim, page_size=page_size, dtype=dtype)  # fmt: skip
+    opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+    out = jax.jit(lambda *a: cpu.ragged_paged_attention(*a, **opts, block_q=4))(*case.args())  # a fresh trace
+    assert out.shape == case.q.shape and out.dtype == dtype
+    _oracle_close(out, naive_ragged(case, **opts), dtype)
+    assert not np.any(np.asarray(out[-2:])), "padding tokens must be exactly zero"
 
 
 def test_cpu_ragged_long_prefix_streams_kv_chunks(monkeypatch):
