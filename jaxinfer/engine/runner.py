@@ -93,6 +93,11 @@ def _paged_attend(
 ):
     def layer_attention(window: int, q, k, v, kp, vp, slots, table, ctx, qsl, nseq):
         """q f[T, H, Dh]; k, v f[T, Hkv, Dh]; kp, vp f[P, page, Hkv, Dh] -> (out f[T, H, Dh], kp, vp)."""
+        if slots.shape[0] == 1:
+            # XLA rewrites a one-row scatter (a batch-1 decode) as a dynamic-update-slice, and then copied whole
+            # pools every layer (tests/engine/test_layer_loop.py): a second, dropped row keeps it a scatter, in place.
+            k, v = (jnp.concatenate([a, jnp.zeros_like(a)]) for a in (k, v))
+            slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
         kp, vp = kernels_pallas.write_kv(kp, vp, k, v, slots)
         opts = dict(scale=cfg.scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap, impl=impl)
         qk = q.astype(kp.dtype)  # a --kv-cache-dtype other than the model's: attend in the pool's dtype
@@ -110,13 +115,7 @@ def _paged_attend(
         kp, vp = pools
         num_pages, page_size = kp.shape[0] // cfg.num_layers, kp.shape[1]
         slots = jnp.where(inp.slot_mapping >= 0, inp.slot_mapping + i * (num_pages * page_size), -1)
-        k, v = k[0], v[0]
-        if slots.shape[0] == 1:
-            # XLA rewrites a one-row scatter as a dynamic-update-slice, and inside the loop that copied the whole
-            # pool every layer: a second, dropped row keeps it a scatter, in place.
-            k, v = (jnp.concatenate([a, jnp.zeros_like(a)]) for a in (k, v))
-            slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
-        out, kp, vp = layer_attention(cfg.layer_windows[0], q[0], k, v, kp, vp, slots,
+        out, kp, vp = layer_attention(cfg.layer_windows[0], q[0], k[0], v[0], kp, vp, slots,
                                       inp.page_table + i * num_pages, inp.context_lens, inp.query_start_loc,
                                       inp.num_seqs)  # fmt: skip
         return out[None], (kp, vp)
