@@ -152,8 +152,8 @@ def _pool_copies(hlo: str, elements: int) -> list[str]:
 def test_step_updates_the_pools_in_place(loop, decode_only, t, s):
     """No copy of a pool in the compiled step: donated (and carried through the scan), they are written in place.
     (A one-row write, which XLA turns into a dynamic-update-slice, copied whole pools every layer in both loops
-    before the runner padded it to two rows.)"""
-    eng = _engine(loop)
+    before the runner padded it to two rows.) 41 pages: no gathered block has a pool's element count by chance."""
+    eng = _engine(loop, num_pages=41)
     r, cc = eng.runner, eng.runner.cc
     inp = pack([], t, s, cc.pages_per_seq, cc.block_size)
     st = build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, False)
