@@ -224,12 +224,13 @@ def make_jaxinfer(args: argparse.Namespace, max_model_len: int) -> JaxEngine:
     from jaxinfer.llm import LLM
 
     if args.defaults:  # no tuning flags: the pool, buckets and lengths are the library's defaults
-        llm = LLM(args.model)
+        llm = LLM(args.model, **({"layer_loop": args.layer_loop} if args.layer_loop else {}))
     else:
         llm = LLM(
         args.model, dtype=args.dtype or "float32", max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=mnbt, block_size=args.block_size, num_kv_tokens=num_kv_tokens or None,
         gpu_memory_utilization=args.memory_fraction, seed=args.seed, attn_impl=args.attn_impl,
+        **({"layer_loop": args.layer_loop} if args.layer_loop else {}),
         )  # fmt: skip
 
     def generate_llm(reqs: list[Request], temperature: float) -> list[list[int]]:
@@ -475,6 +476,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--memory-fraction", type=float, default=0.5, help="jaxinfer: with --num-kv-tokens 0")
     p.add_argument("--attn-impl", help="kernels_pallas impl for jaxinfer (default: the dispatcher's choice)")
+    p.add_argument("--layer-loop", choices=("auto", "scan", "unroll"),
+                   help="jaxinfer's layer loop, for an A/B (default: the library's, also with --defaults)")  # fmt: skip
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="references: CPU threads")
     p.add_argument("--hf-batch-size", type=int, default=32, help="hf: requests per generate() call")
     p.add_argument("--llamacpp-seqs", type=int, default=64, help="llamacpp: concurrent sequences (n_seq_max)")

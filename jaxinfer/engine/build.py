@@ -16,6 +16,7 @@ from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import enable_compilation_cache
 from jaxinfer.engine.timeline import StepTimeline
+from jaxinfer.host_memory import release_freed_memory
 from jaxinfer.model.protocol import check_model, is_entry_point, load_entry_point
 from jaxinfer.model_files import resolve_model_path
 from jaxinfer.sharding import make_mesh, place_module
@@ -53,6 +54,10 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
             from jaxinfer.distributed import attach_followers
 
             attach_followers(engine.runner)  # the lead broadcasts every step; followers run `distributed.follow`
+    # The replicas hold their own (on CPU, for the scanned loop, stacked) copies of the weights now: drop the
+    # loaded ones and give their memory back, so a notebook's RSS is what the engine uses.
+    del params
+    release_freed_memory()
     if args.step_timeline:
         for e in getattr(engine, "replicas", [engine]):
             e.runner.timeline = StepTimeline(max_steps=TIMELINE_WINDOW)

@@ -32,6 +32,7 @@ from jaxinfer.engine.exec_cache import ExecutableCache
 from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
+from jaxinfer.host_memory import release_freed_memory
 from jaxinfer.model.functional import ModelDef, split_model
 from jaxinfer.model.scanned import ScannedTransformer, scan_unsupported
 from jaxinfer.model.transformer import Params
@@ -466,6 +467,7 @@ class ModelRunner:
         if self.copier is not None:
             self.kv = self.copier.warmup(self.kv)
         jax.block_until_ready(out)
+        release_freed_memory()  # the compilers' temporaries
         if self.exec_cache is not None:
             ec = self.exec_cache
             log.info("executable cache %s: %d steps loaded, %d compiled (%d of them read from jax's cache, not stored)",
