@@ -429,26 +429,37 @@ class ModelRunner:
 
     def _step(self, flat: tuple, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool = False):
         dynamic = dict(weights=self.weights, kv=self.kv, feed=self.feed, flat=flat)
+        fn = self._executable(dynamic, layout, decode_only, advanced, prompt_lp)
+        return fn(**dynamic)
+
+    def _executable(self, dynamic: dict, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool):
+        """The step for these shapes and flags, as a function of `dynamic`: from the executable cache (loaded or
+        compiled and stored), or the jitted `paged_step` where that cache is off."""
         static = dict(
             model_def=self.model_def, cfg=self.cfg, layout=layout, decode_only=decode_only, advanced=advanced,
             num_logprobs=self.cc.max_logprobs, impl=self.attn_impl, mesh=self.mesh, prompt_logprobs=prompt_lp,
         )  # fmt: skip
-        if self.exec_cache is None or self.cfg.arch == CUSTOM_ARCH:
-            # A user module's code is not in the cache key (only jaxinfer's source is): always trace it.
-            return paged_step(**dynamic, **static)
+        if not self.caches_executables:
+            return partial(paged_step, **static)
         # --- executable cache hook: one compiled step per static combination, loaded from disk when stored ---
         key = (layout, decode_only, advanced, prompt_lp)
         fn = self._compiled.get(key)
         if fn is None:
             extra = (self.cc, self.num_pages)  # the pool's shape is in `kv`; the config names the rest
             fn = self._compiled[key] = self.exec_cache.load_or_compile(paged_step, dynamic, static, extra)
-        return fn(**dynamic)
+        return fn
+
+    @property
+    def caches_executables(self) -> bool:
+        # A user module's code is not in the cache key (only jaxinfer's source is): always trace it.
+        return self.exec_cache is not None and self.cfg.arch != CUSTOM_ARCH
 
     def warmup(
         self, advanced: bool = True, prompt_logprobs: bool = False, progress: Callable[[int, int], None] | None = None
     ) -> float:
         """Compiles every bucket (and the penalties/bias variant, and with `prompt_logprobs` the variant that
-        scores every prompt token) by running all-padding steps, which write nothing. Returns the seconds taken.
+        scores every prompt token): through the executable cache, loaded or compiled and stored without running;
+        where that cache is off, by running all-padding steps, which write nothing. Returns the seconds taken.
         `progress(done, total)` is called after each bucket compiles."""
         t0 = time.perf_counter()
         shapes = [(True, s, s) for s in self.seq_buckets] + [
@@ -460,13 +471,21 @@ class ModelRunner:
                 for decode_only, t, s in shapes:
                     inp = pack([], t, s, self.cc.pages_per_seq, self.cc.block_size)
                     st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
-                    out, _ = self.launch(inp, st, decode_only, adv, plp)
+                    if self.caches_executables and self.followers is None:
+                        # Loading (or compiling) is all a bucket needs: running an all-padding step of the mixed
+                        # buckets costs as much as a real one (most of a warm start's warm-up on CPU).
+                        flat, layout = to_flat((inp, st))
+                        flat = jax.device_put(flat, self._replicated)  # as `launch` passes it: the same cache key
+                        dynamic = dict(weights=self.weights, kv=self.kv, feed=self.feed, flat=flat)
+                        self._executable(dynamic, layout, decode_only, adv, plp)
+                    else:  # jit compiles on the first call
+                        out, _ = self.launch(inp, st, decode_only, adv, plp)
                     done += 1
                     if progress is not None:  # the launch compiled the bucket before it returned
                         progress(done, total)
         if self.copier is not None:
             self.kv = self.copier.warmup(self.kv)
-        jax.block_until_ready(out)
+        jax.block_until_ready((self.kv, self.feed))
         release_freed_memory()  # the compilers' temporaries
         if self.exec_cache is not None:
             ec = self.exec_cache
