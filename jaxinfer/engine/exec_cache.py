@@ -134,6 +134,7 @@ class ExecutableCache:
         self.loaded = 0
         self.compiled = 0
         self.not_stored = 0  # compiled steps jax read from its persistent cache: not serializable whole
+        self._lock = threading.Lock()
 
     @classmethod
     def from_jax_config(cls) -> ExecutableCache | None:
@@ -156,17 +157,20 @@ class ExecutableCache:
         if path.exists():
             try:
                 fn = self._load(path, key)
-                self.loaded += 1
+                with self._lock:
+                    self.loaded += 1
                 return fn
             except LOAD_ERRORS as e:
                 log.warning("executable cache: cannot load %s (%s: %s); compiling", path.name, type(e).__name__, e)
         hits = _persistent_hits()
         fn = jitted.lower(**dynamic, **static).compile()
-        self.compiled += 1
-        if _persistent_hits() == hits:
+        stored = _persistent_hits() == hits
+        with self._lock:  # warm-up loads and compiles buckets on several threads
+            self.compiled += 1
+            self.not_stored += not stored
+        if stored:
             self._store(path, key, fn)
         else:
-            self.not_stored += 1
             log.debug("executable cache: %s came from jax's persistent cache; not stored", path.name)
         return fn
 

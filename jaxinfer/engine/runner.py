@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -465,24 +466,37 @@ class ModelRunner:
         shapes = [(True, s, s) for s in self.seq_buckets] + [
             (False, t, self.cc.max_num_seqs) for t in self.token_buckets
         ]
-        done, total = 0, len(shapes) * (2 if advanced else 1) * (2 if prompt_logprobs else 1)
-        for adv in (False, True) if advanced else (False,):
-            for plp in (False, True) if prompt_logprobs else (False,):
-                for decode_only, t, s in shapes:
-                    inp = pack([], t, s, self.cc.pages_per_seq, self.cc.block_size)
-                    st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
-                    if self.caches_executables and self.followers is None:
-                        # Loading (or compiling) is all a bucket needs: running an all-padding step of the mixed
-                        # buckets costs as much as a real one (most of a warm start's warm-up on CPU).
-                        flat, layout = to_flat((inp, st))
-                        flat = jax.device_put(flat, self._replicated)  # as `launch` passes it: the same cache key
-                        dynamic = dict(weights=self.weights, kv=self.kv, feed=self.feed, flat=flat)
-                        self._executable(dynamic, layout, decode_only, adv, plp)
-                    else:  # jit compiles on the first call
-                        out, _ = self.launch(inp, st, decode_only, adv, plp)
-                    done += 1
-                    if progress is not None:  # the launch compiled the bucket before it returned
-                        progress(done, total)
+        combos = [
+            (adv, plp, *shape)
+            for adv in ((False, True) if advanced else (False,))
+            for plp in ((False, True) if prompt_logprobs else (False,))
+            for shape in shapes
+        ]
+
+        def step_inputs(adv: bool, t: int, s: int) -> tuple[StepInputs, SamplingTensors]:
+            inp = pack([], t, s, self.cc.pages_per_seq, self.cc.block_size)
+            return inp, build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
+
+        if self.caches_executables and self.followers is None:
+            # Loading (or compiling) is all a bucket needs: running an all-padding step of the mixed buckets costs
+            # as much as a real one (most of a warm start's warm-up on CPU). Deserializing and compiling release the
+            # GIL, so the buckets load in parallel.
+            def prepare(combo: tuple) -> None:
+                adv, plp, decode_only, t, s = combo
+                flat, layout = to_flat(step_inputs(adv, t, s))
+                flat = jax.device_put(flat, self._replicated)  # as `launch` passes it: the same cache key
+                dynamic = dict(weights=self.weights, kv=self.kv, feed=self.feed, flat=flat)
+                self._executable(dynamic, layout, decode_only, adv, plp)
+
+            with ThreadPoolExecutor(max_workers=max(1, min(len(combos), os.cpu_count() or 1))) as pool:
+                for done, _ in enumerate(pool.map(prepare, combos), 1):
+                    if progress is not None:
+                        progress(done, len(combos))
+        else:  # jit compiles on the first call
+            for done, (adv, plp, decode_only, t, s) in enumerate(combos, 1):
+                self.launch(*step_inputs(adv, t, s), decode_only, adv, plp)
+                if progress is not None:  # the launch compiled the bucket before it returned
+                    progress(done, len(combos))
         if self.copier is not None:
             self.kv = self.copier.warmup(self.kv)
         jax.block_until_ready((self.kv, self.feed))
