@@ -4,8 +4,6 @@ generator on the real SmolLM2 weights; here the two loops are compared with each
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
@@ -19,6 +17,7 @@ from jaxinfer.model import init_params
 from jaxinfer.sampling import build_sampling_tensors
 from jaxinfer.step import pack
 from jaxinfer.types import SamplingParams
+from tests.aot.aot_tools import copies_of  # the compiled-HLO helper the TPU checks use
 
 CFG = dict(arch="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
            num_kv_heads=2, head_dim=8, max_position_embeddings=256)  # fmt: skip
@@ -137,16 +136,6 @@ def test_layer_loop_setting_is_checked_and_reaches_the_runner():
     assert cache_config(EngineArgs(layer_loop="unroll"), ModelConfig(**CFG)).layer_loop == "unroll"
 
 
-def _pool_copies(hlo: str, elements: int) -> list[str]:
-    """copy instructions of a compiled module whose result has `elements` elements."""
-    out = []
-    for ln in hlo.splitlines():
-        m = re.match(r"\s*%\S+ = \w+\[([\d,]+)\]\S* copy\(", ln)
-        if m and int(np.prod([int(n) for n in m.group(1).split(",")])) == elements:
-            out.append(ln.strip()[:160])
-    return out
-
-
 @pytest.mark.parametrize("loop", ["scan", "unroll"])
 @pytest.mark.parametrize("decode_only, t, s", [(True, 1, 1), (True, 4, 4), (False, 16, 4)])
 def test_step_updates_the_pools_in_place(loop, decode_only, t, s):
@@ -161,4 +150,4 @@ def test_step_updates_the_pools_in_place(loop, decode_only, t, s):
     hlo = paged_step.lower(model_def=r.model_def, weights=r.weights, cfg=r.cfg, kv=r.kv, feed=r.feed, flat=flat,
                            layout=layout, decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs,
                            ).compile().as_text()  # fmt: skip
-    assert not _pool_copies(hlo, r.kv[0][0].size), "the step copies a KV pool"
+    assert not copies_of(hlo, r.kv[0][0].size), "the step copies a KV pool"
