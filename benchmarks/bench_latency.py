@@ -199,6 +199,14 @@ def bench_decode(engine: Any, batch: int, args: argparse.Namespace, rng: np.rand
     c0 = compile_count()
     bare_first, bare_s, bare_samples = _time(bare_step(engine, calls[-1]), args.warmup, args.iters)
     bare_compiles = compile_count() - c0
+    trace = None
+    if args.trace:
+        from benchmarks import trace_table
+
+        trace_dir = str(Path(args.trace) / f"decode_b{batch}")
+        path = trace_table.record(bare_step(engine, calls[-1]), args.iters, trace_dir)
+        text, trace = trace_table.table(path, args.iters) if path else ("(the profiler wrote no trace)", {})
+        print(f"decode B={batch}, the bare step's device kernels:\n{text}", flush=True)
     for rid in rids:
         engine.abort(rid)
     _, _, s = engine.runner.bucket_for(batch, batch)
@@ -207,6 +215,7 @@ def bench_decode(engine: Any, batch: int, args: argparse.Namespace, rng: np.rand
         engine_min_s=min(eng_samples), bare_s=bare_s, bare_min_s=min(bare_samples), first_s=first,
         bare_first_s=bare_first, host_frac=(eng_s - bare_s) / eng_s,
         host_frac_min=1 - min(bare_samples) / min(eng_samples), setup_prefill_s=prefill_s, bare_compiles=bare_compiles,
+        trace=trace,
     )  # fmt: skip
 
 
@@ -229,6 +238,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--attn-impl", help="kernels_pallas impl (default: the dispatcher's choice)")
     p.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unroll"), help="how steps run the layers")
     roofline.add_peak_flags(p)
+    p.add_argument("--trace", help="decode: record a profiler trace of the bare step here and table its device kernels")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny grid and few iterations: a seconds-long run")
     p.add_argument("--out", help="write the results as JSON here (and the plot beside it, .png)")

@@ -144,3 +144,38 @@ def test_random_params_device_path_matches_shapes(monkeypatch: pytest.MonkeyPatc
     assert params["embedder"]["embedding"][...].dtype == jax.numpy.bfloat16
     assert float(params["final_norm"]["scale"][...][0]) == 1.0
     assert 0.01 < float(jax.numpy.std(params["layers"][0]["attn"]["q"]["kernel"][...].astype("float32"))) < 0.03
+
+
+def _write_trace(path: Path, events: list[dict]) -> str:
+    import gzip
+
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(path)
+
+
+def test_trace_table_sums_device_kernels_per_call(tmp_path: Path) -> None:
+    from benchmarks import trace_table
+
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    ]
+    # Two calls: each a 30 us gemm and two 5 us adds on the device, 10 us apart; host events are not kernels.
+    kernels = [
+        {"ph": "X", "pid": 1, "tid": 7, "name": name, "ts": t0 + dt, "dur": dur}
+        for t0 in (0.0, 1000.0)
+        for name, dt, dur in (("gemm", 0.0, 30.0), ("add", 40.0, 5.0), ("add", 55.0, 5.0))
+    ]
+    host = [{"ph": "X", "pid": 2, "tid": 1, "name": "PjitFunction(step)", "ts": 0.0, "dur": 900.0}]
+    text, summary = trace_table.table(_write_trace(tmp_path / "t.trace.json.gz", meta + kernels + host), calls=2)
+    assert summary["device_us_per_call"] == 40.0 and summary["kernels_per_call"] == 3
+    assert [(r["name"], r["count"], r["us_per_call"]) for r in summary["top"]] == [("gemm", 1, 30.0), ("add", 2, 10.0)]
+    assert summary["device_span_us_per_call"] == (1060.0 - 0.0) / 2
+    assert "PjitFunction(step)" in text and "gemm" in text
+
+
+def test_latency_trace_on_cpu_says_there_is_no_device_stream(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["--quick", "--shape", "tiny", "--sections", "decode", "--batch", "1", "--trace", str(tmp_path)]
+    assert bench_latency.main(argv) == 0
+    assert "no device kernels" in capsys.readouterr().out
