@@ -224,7 +224,9 @@ def make_jaxinfer(args: argparse.Namespace, max_model_len: int) -> JaxEngine:
     from jaxinfer.llm import LLM
 
     if args.defaults:  # no tuning flags: the pool, buckets and lengths are the library's defaults
-        llm = LLM(args.model, **({"layer_loop": args.layer_loop} if args.layer_loop else {}))
+        # Only the A/B flags given explicitly reach LLM(): everything else stays the library's default.
+        ab = {k: getattr(args, k) for k in ("layer_loop", "max_num_seqs") if k in args.ab_overrides}
+        llm = LLM(args.model, **ab)
     else:
         llm = LLM(
         args.model, dtype=args.dtype or "float32", max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
@@ -462,7 +464,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ("--num-requests", int, "nanovllm: requests to keep (overrides 256 / scale)"),
         ("--cells", str, "fixed-length cells PROMPT/OUTPUT, comma list (divided by --scale)"),
         ("--cell-requests", int, "requests per cell (divided by --scale)"),
-        ("--max-num-seqs", int, "jaxinfer: sequences per step"),
+        ("--max-num-seqs", int, "jaxinfer: sequences per step (with --defaults only when given: an A/B)"),
         ("--max-num-batched-tokens", int, "jaxinfer: token budget of a step (None: max(256, max_num_seqs))"),
         ("--references", str, "comma list of hf, llamacpp, llamacpp-quant; or none"),
     ]:
@@ -495,8 +497,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", help="PNG path for the bar plot (default: --out with .png)")
     args = p.parse_args(argv)
 
+    given = {a.split("=")[0] for a in (argv or sys.argv[1:]) if a.startswith("--")}
+    args.ab_overrides = [f for f in ("layer_loop", "max_num_seqs") if f"--{f.replace('_', '-')}" in given]
     if args.defaults:
-        given = {a.split("=")[0] for a in (argv or sys.argv[1:]) if a.startswith("--")}
         for name, value in DEFAULTS_MODE.items():
             if f"--{name.replace('_', '-')}" not in given:
                 setattr(args, name, value)

@@ -179,3 +179,11 @@ def test_latency_trace_on_cpu_says_there_is_no_device_stream(tmp_path: Path, cap
     argv = ["--quick", "--shape", "tiny", "--sections", "decode", "--batch", "1", "--trace", str(tmp_path)]
     assert bench_latency.main(argv) == 0
     assert "no device kernels" in capsys.readouterr().out
+
+
+def test_defaults_mode_passes_only_the_ab_flags_given() -> None:
+    plain = bench_offline.parse_args(["--defaults"])
+    assert plain.ab_overrides == [] and plain.max_num_seqs == 32  # the parser's value, not passed to LLM()
+    ab = bench_offline.parse_args(["--defaults", "--max-num-seqs", "64", "--layer-loop", "unroll"])
+    assert ab.ab_overrides == ["layer_loop", "max_num_seqs"] and ab.max_num_seqs == 64
+    json.dumps(vars(ab))  # the metadata of the JSON output holds the parsed arguments
