@@ -73,6 +73,8 @@ DEFAULTS_MODE: dict[str, Any] = dict(
     sections="mixed", num_requests=256, references="hf,llamacpp", temperature=0.0, check_prompts=16,
 )  # fmt: skip
 MIXED = dict(min_prompt=16, max_prompt=256, output=128)
+# The engine settings --defaults still passes to LLM() when given explicitly: for an A/B against the defaults.
+AB_FLAGS = ("layer_loop", "max_num_seqs", "max_num_batched_tokens")
 QUICK_DEFAULTS: dict[str, Any] = dict(
     scale=32, num_requests=4, cells="256/128", cell_requests=64, max_num_seqs=4, max_num_batched_tokens=32,
     references="none",
@@ -225,7 +227,7 @@ def make_jaxinfer(args: argparse.Namespace, max_model_len: int) -> JaxEngine:
 
     if args.defaults:  # no tuning flags: the pool, buckets and lengths are the library's defaults
         # Only the A/B flags given explicitly reach LLM(): everything else stays the library's default.
-        ab = {k: getattr(args, k) for k in ("layer_loop", "max_num_seqs") if k in args.ab_overrides}
+        ab = {k: getattr(args, k) for k in AB_FLAGS if k in args.ab_overrides}
         llm = LLM(args.model, **ab)
     else:
         llm = LLM(
@@ -464,7 +466,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ("--num-requests", int, "nanovllm: requests to keep (overrides 256 / scale)"),
         ("--cells", str, "fixed-length cells PROMPT/OUTPUT, comma list (divided by --scale)"),
         ("--cell-requests", int, "requests per cell (divided by --scale)"),
-        ("--max-num-seqs", int, "jaxinfer: sequences per step (with --defaults only when given: an A/B)"),
+        ("--max-num-seqs", int, "jaxinfer: sequences per step (--defaults: only these two when given, an A/B)"),
         ("--max-num-batched-tokens", int, "jaxinfer: token budget of a step (None: max(256, max_num_seqs))"),
         ("--references", str, "comma list of hf, llamacpp, llamacpp-quant; or none"),
     ]:
@@ -498,7 +500,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
 
     given = {a.split("=")[0] for a in (argv or sys.argv[1:]) if a.startswith("--")}
-    args.ab_overrides = [f for f in ("layer_loop", "max_num_seqs") if f"--{f.replace('_', '-')}" in given]
+    args.ab_overrides = [f for f in AB_FLAGS if f"--{f.replace('_', '-')}" in given]
     if args.defaults:
         for name, value in DEFAULTS_MODE.items():
             if f"--{name.replace('_', '-')}" not in given:

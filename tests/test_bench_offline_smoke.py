@@ -187,3 +187,5 @@ def test_defaults_mode_passes_only_the_ab_flags_given() -> None:
     ab = bench_offline.parse_args(["--defaults", "--max-num-seqs", "64", "--layer-loop", "unroll"])
     assert ab.ab_overrides == ["layer_loop", "max_num_seqs"] and ab.max_num_seqs == 64
     json.dumps(vars(ab))  # the metadata of the JSON output holds the parsed arguments
+    tokens = bench_offline.parse_args(["--defaults", "--max-num-batched-tokens", "512"])
+    assert tokens.ab_overrides == ["max_num_batched_tokens"] and tokens.max_num_batched_tokens == 512
