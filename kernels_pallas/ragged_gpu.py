@@ -67,7 +67,10 @@ def block_metadata(
     # Each non-empty block holds >= 1 token, and sum_i cdiv(q_len_i, bq) <= T / bq + num_seqs.
     num_blocks = max(1, min(num_tokens, cdiv(num_tokens, block_q) + max_seqs))
     g = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, g, side="right").astype(jnp.int32), max_seqs - 1)
+    # compare_all: one fused compare-and-sum. The default binary search is a while loop, which on the H200 ran as a
+    # host-driven loop outside XLA's command buffers, in every mixed step.
+    seq = jnp.searchsorted(ends, g, side="right", method="compare_all").astype(jnp.int32)
+    seq = jnp.minimum(seq, max_seqs - 1)
     used = g < ends[-1]
     qblk = g - (ends[seq] - blocks[seq])
     num_rows = jnp.where(used, jnp.minimum(block_q, q_lens[seq] - qblk * block_q), 0)

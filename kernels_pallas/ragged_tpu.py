@@ -187,7 +187,10 @@ def block_schedule(
     # Each used block holds >= 1 token, and sum_i cdiv(q_len_i, bq) <= T / bq + max_seqs.
     num_blocks = max(1, min(num_tokens, cdiv(num_tokens, block_q) + max_seqs))
     g = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, g, side="right").astype(jnp.int32), max_seqs - 1)
+    # compare_all: one fused compare-and-sum. The default binary search is a while loop, which on the H200 ran as a
+    # host-driven loop outside XLA's command buffers, in every mixed step.
+    seq = jnp.searchsorted(ends, g, side="right", method="compare_all").astype(jnp.int32)
+    seq = jnp.minimum(seq, max_seqs - 1)
     first_block = ends - blocks
     used = g < ends[-1]
     q_off = jnp.where(used, (g - first_block[seq]) * block_q, 0)

@@ -94,3 +94,33 @@ def test_config_style_options_are_normalised():
     )
     expected = reference.paged_decode_attention(*case.args(), scale=0.125)
     assert_close(out, np.asarray(expected), jnp.float32)
+
+
+@pytest.mark.parametrize("which", ["gpu", "tpu"])
+def test_accelerator_block_tables_lower_without_a_loop(which):
+    """The ragged kernels' sequence-aligned block tables are built in XLA before the kernel. A loop there (jnp's
+    default binary-search searchsorted) ran as a host-driven while outside the command buffers on an H200, in every
+    mixed step; the tables are one compare-and-sum instead. Checked on the lowered program, and against a loop."""
+    from kernels_pallas import ragged_gpu, ragged_tpu
+
+    max_seqs, tokens, bq = 8, 64, 16
+    if which == "gpu":
+        fn = functools.partial(ragged_gpu.block_metadata, num_tokens=tokens, block_q=bq)
+        args = (jnp.zeros(max_seqs + 1, jnp.int32), jnp.zeros(max_seqs, jnp.int32), jnp.int32(1))
+    else:
+        fn = functools.partial(ragged_tpu.block_schedule, num_tokens=tokens, block_q=bq)
+        args = (jnp.zeros(max_seqs + 1, jnp.int32), jnp.int32(1))
+    assert "stablehlo.while" not in jax.jit(fn).lower(*args).as_text()
+    # Same tables as a plain per-block scan of the sequence ends: ragged sequence lengths, idle rows at the end.
+    q_lens = np.array([17, 0, 1, 33, 1, 12, 0, 0], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    live = 6
+    ends = np.cumsum(-(-q_lens[:live] // bq))
+    nb = max(1, min(tokens, -(-tokens // bq) + max_seqs))
+    want = [min(next((s for s, e in enumerate(ends) if e > g), max_seqs), max_seqs - 1) for g in range(nb)]
+    if which == "gpu":
+        got = np.asarray(fn(jnp.asarray(qsl), jnp.asarray(qsl[1:]), jnp.int32(live)))[:, 0]
+    else:
+        got = np.asarray(fn(jnp.asarray(qsl), jnp.int32(live))[0])
+    used = np.arange(nb) < ends[-1]  # blocks past the last live one are padding, each kernel marks them its own way
+    np.testing.assert_array_equal(got[used], np.asarray(want)[used])
