@@ -73,26 +73,27 @@ def key_mask(
 
 
 def online_softmax_step(
-    logits: jax.Array,  # f32[R, S] already masked with -inf
-    m_prev: jax.Array,  # f32[R] running max (may be -inf)
-    l_prev: jax.Array,  # f32[R] running sum of exp
+    logits: jax.Array,  # f32[..., S] already masked with -inf
+    m_prev: jax.Array,  # f32[...] running max (may be -inf)
+    l_prev: jax.Array,  # f32[...] running sum of exp
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One flash-attention update. Returns (p f32[R, S], correction f32[R], m_next f32[R], l_next f32[R]).
+    """One flash-attention update over the last axis. Returns (p f32[..., S], correction f32[...], m_next f32[...],
+    l_next f32[...]).
 
     The caller rescales its accumulator by ``correction`` and adds ``p @ v``. A row with no valid key so
     far keeps m = -inf; we substitute 0 for the subtraction so that exp(-inf - 0) = 0 instead of NaN.
     """
     m_next = jnp.maximum(m_prev, jnp.max(logits, axis=-1))
     m_safe = jnp.where(m_next == NEG_INF, 0.0, m_next)
-    p = jnp.exp(logits - m_safe[:, None])
+    p = jnp.exp(logits - m_safe[..., None])
     correction = jnp.exp(m_prev - m_safe)
     l_next = correction * l_prev + jnp.sum(p, axis=-1)
     return p, correction, m_next, l_next
 
 
 def safe_normalize(
-    acc: jax.Array,  # f32[R, D] unnormalised sum_k p_k v_k
-    denom: jax.Array,  # f32[R] sum_k p_k
-) -> jax.Array:  # f32[R, D]
+    acc: jax.Array,  # f32[..., D] unnormalised sum_k p_k v_k
+    denom: jax.Array,  # f32[...] sum_k p_k
+) -> jax.Array:  # f32[..., D]
     # A row that saw no valid key (length 0, padding) has denom == 0 and acc == 0: return zeros, not NaN.
-    return acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
+    return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]

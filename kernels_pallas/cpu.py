@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.common import NEG_INF, apply_soft_cap, cdiv, key_mask
+from kernels_pallas.common import NEG_INF, apply_soft_cap, cdiv, key_mask, online_softmax_step, safe_normalize
 
 # Query tokens per block: a sequence's last block wastes up to block_q - 1 rows, a prefill chunk copies its pages
 # once per block_q tokens. 16 was fastest of 8/16/32 at SmolLM2 shapes (a T=256 mixed step; benchmarks/README); with
@@ -121,12 +121,9 @@ def _block_group(
         s = apply_soft_cap(s * scale, soft_cap)
         mask = key_mask(q_pos_rows[:, :, None], k_pos[:, None, :], kv_len[:, None, None], sliding_window)
         s = jnp.where(mask[:, None], s, NEG_INF)  # [NB, Hkv, R, C]
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        corr = jnp.exp(m - m_safe)
+        p, corr, m, denom = online_softmax_step(s, m, denom)
         pv = jnp.einsum("bhrc,bhcd->bhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return acc * corr[..., None] + pv, m_new, denom * corr + jnp.sum(p, axis=-1)
+        return acc * corr[..., None] + pv, m, denom
 
     init = (
         jnp.zeros((num_blocks, num_kv_heads, rows, head_dim), jnp.float32),
@@ -140,7 +137,7 @@ def _block_group(
         first = jnp.where(live, jnp.maximum(q_pos_rows - sliding_window + 1, 0), page_ids.shape[1] * page_size)
         start = jnp.minimum(jnp.min(first) // chunk, stop)
     acc, _, denom = lax.fori_loop(start, stop, body, init)
-    return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    return safe_normalize(acc, denom)
 
 
 def ragged_paged_attention(
@@ -277,16 +274,13 @@ def _decode_group(
         s = apply_soft_cap(s, soft_cap)
         mask = key_mask(q_pos[:, None], k_pos, kv_len[:, None], sliding_window)  # [R, C]
         s = jnp.where(mask[:, None, :], s, NEG_INF)  # [R, Hq, C]
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        corr = jnp.exp(m - m_safe)
+        p, corr, m, denom = online_softmax_step(s, m, denom)
         if block_diag:
             pv = jnp.einsum("rnc,rck->rnk", p, v, preferred_element_type=jnp.float32)
         else:
             pv = jnp.einsum("rhgc,rhcd->rhgd", p.reshape(rows, num_kv_heads, group, chunk), v)
         corr_acc = corr.reshape(acc_shape[:-1])[..., None]
-        return acc * corr_acc + pv, m_new, denom * corr + jnp.sum(p, axis=-1)
+        return acc * corr_acc + pv, m, denom
 
     init = (
         jnp.zeros(acc_shape, jnp.float32),
@@ -302,8 +296,7 @@ def _decode_group(
     if block_diag:  # query head h keeps the block of its own KV head h // G
         acc = acc.reshape(rows, num_kv_heads, group, num_kv_heads, head_dim)
         acc = jnp.moveaxis(jnp.diagonal(acc, axis1=1, axis2=3), -1, 1)
-    acc = acc.reshape(rows, num_q_heads, head_dim)
-    return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    return safe_normalize(acc.reshape(rows, num_q_heads, head_dim), denom)
 
 
 def _decode_rows(
