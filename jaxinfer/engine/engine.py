@@ -27,7 +27,7 @@ from jaxinfer.cache.pages import PageAllocator
 from jaxinfer.cache.sessions import SessionStore
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import CacheConfig
-from jaxinfer.engine.runner import ModelRunner, placeholder
+from jaxinfer.engine.runner import ModelRunner, kv_bytes_per_token, placeholder
 from jaxinfer.engine.scheduler import Evicted, Load, Scheduler
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
@@ -103,8 +103,7 @@ class Engine:
             why_not = "it keeps prefix-cache pages and prefix caching is off"
         elif jax.process_count() > 1:
             why_not = "its page copies are not broadcast to the other processes of a multi-host mesh"
-        k, cfg = self.runner.kv[0][0], self.runner.cfg
-        block_bytes = 2 * cfg.num_layers * k.shape[-3] * k.shape[-2] * k.shape[-1] * k.dtype.itemsize
+        block_bytes = cache.block_size * kv_bytes_per_token(self.runner.cfg, cache.kv_cache_dtype)
         host = HostTier(nbytes, block_bytes)
         if why_not is None and not host.enabled:
             why_not = f"{nbytes} bytes hold no page ({block_bytes} bytes each)"

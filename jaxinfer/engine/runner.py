@@ -428,8 +428,12 @@ class ModelRunner:
     def run(self, chunks: list, rows: list[RowSampling]) -> SampleOutput:
         return self.collect(self.dispatch(chunks, rows))[0]
 
+    def _dynamic(self, flat: tuple) -> dict:
+        """The step's traced arguments: the weights, the KV pools (donated), the feed and the packed inputs."""
+        return dict(weights=self.weights, kv=self.kv, feed=self.feed, flat=flat)
+
     def _step(self, flat: tuple, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool = False):
-        dynamic = dict(weights=self.weights, kv=self.kv, feed=self.feed, flat=flat)
+        dynamic = self._dynamic(flat)
         fn = self._executable(dynamic, layout, decode_only, advanced, prompt_lp)
         return fn(**dynamic)
 
@@ -485,8 +489,7 @@ class ModelRunner:
                 adv, plp, decode_only, t, s = combo
                 flat, layout = to_flat(step_inputs(adv, t, s))
                 flat = jax.device_put(flat, self._replicated)  # as `launch` passes it: the same cache key
-                dynamic = dict(weights=self.weights, kv=self.kv, feed=self.feed, flat=flat)
-                self._executable(dynamic, layout, decode_only, adv, plp)
+                self._executable(self._dynamic(flat), layout, decode_only, adv, plp)
 
             with ThreadPoolExecutor(max_workers=max(1, min(len(combos), os.cpu_count() or 1))) as pool:
                 for done, _ in enumerate(pool.map(prepare, combos), 1):
