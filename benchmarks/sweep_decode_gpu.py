@@ -43,6 +43,16 @@ def _time(args: tuple, shape: Shape, nbytes: int, **kw: Any) -> dict[str, Any]:
     return dict(kw, median_s=t.median_s, gb_per_s=nbytes / t.median_s / 1e9, out=t.out)
 
 
+def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest configuration that compiled ({} if none did)."""
+    return max((r for r in rows if "gb_per_s" in r), key=lambda r: r["gb_per_s"], default={})
+
+
+def _plain(r: dict[str, Any]) -> dict[str, Any]:
+    """A result without its output array (for printing and JSON)."""
+    return {k: v for k, v in r.items() if k != "out"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_decode_gpu", description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="1:2048,8:2048,64:2048,8:8192,64:8192", help="B:context, comma list")
@@ -71,13 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = []
         for bkv, warps, stages in itertools.product(ints(args.block_kv), ints(args.num_warps), ints(args.num_stages)):
             rows.append(_time(inputs, shape, nbytes, block_kv=bkv, num_warps=warps, num_stages=stages))
-        ok = [r for r in rows if "gb_per_s" in r]
-        best = max(ok, key=lambda r: r["gb_per_s"]) if ok else {}
+        best = _best(rows)
         launch = {k: best[k] for k in ("block_kv", "num_warps", "num_stages")} if best else {}
         for s in ints(args.splits) if best else []:
             rows.append(_time(inputs, shape, nbytes, num_splits=s, **launch))
-        ok = [r for r in rows if "gb_per_s" in r]
-        best = max(ok, key=lambda r: r["gb_per_s"]) if ok else {}
+        best = _best(rows)
         if best and "out" in default:
             err = float(jnp.max(jnp.abs(best["out"].astype(jnp.float32) - default["out"].astype(jnp.float32))))
             best["max_abs_diff_vs_default"] = err
@@ -90,10 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n== B={batch} ctx={context}: default {default.get('gb_per_s', 0):.0f} GB/s "
               f"({100 * default.get('gb_per_s', 0) * 1e9 / bw:.0f}%)")  # fmt: skip
         print(format_table(["block_kv", "warps", "stages", "splits", "GB/s", "of copy"], table))
-        print(f"best: {({k: v for k, v in best.items() if k != 'out'})}", flush=True)
-        strip = lambda r: {k: v for k, v in r.items() if k != "out"}  # noqa: E731
-        results.append(dict(batch=batch, context=context, bytes=nbytes, default=strip(default), best=strip(best),
-                            rows=[strip(r) for r in rows]))  # fmt: skip
+        print(f"best: {_plain(best)}", flush=True)
+        results.append(dict(batch=batch, context=context, bytes=nbytes, default=_plain(default), best=_plain(best),
+                            rows=[_plain(r) for r in rows]))  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, copy_bw=bw, cases=results), f,
