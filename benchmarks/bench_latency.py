@@ -49,6 +49,7 @@ from benchmarks.common import (
     random_params,
     shape_config,
 )
+from jaxinfer.engine.config import LAYER_LOOPS
 
 FULL_DEFAULTS: dict[str, Any] = dict(prefill_len="128,512,2048", batch="1,8,32", context=512, warmup=2, iters=10)
 QUICK_DEFAULTS: dict[str, Any] = dict(prefill_len="16,32", batch="1,3", context=24, warmup=1, iters=3)
@@ -206,7 +207,7 @@ def bench_decode(engine: Any, batch: int, args: argparse.Namespace, rng: np.rand
         trace_dir = str(Path(args.trace) / f"decode_b{batch}")
         path = trace_table.record(bare_step(engine, calls[-1]), args.iters, trace_dir)
         text, trace = trace_table.table(path, args.iters) if path else ("(the profiler wrote no trace)", {})
-        print(f"decode B={batch}, the bare step's device kernels:\n{text}", flush=True)
+        print(f"decode B={batch}, where the bare step's time goes:\n{text}", flush=True)
     for rid in rids:
         engine.abort(rid)
     _, _, s = engine.runner.bucket_for(batch, batch)
@@ -236,9 +237,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default="prefill,decode", help="prefill, decode or both")
     p.add_argument("--block-size", type=int, default=16, help="KV page size")
     p.add_argument("--attn-impl", help="kernels_pallas impl (default: the dispatcher's choice)")
-    p.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unroll"), help="how steps run the layers")
+    p.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS, help="how steps run the layers")
     roofline.add_peak_flags(p)
-    p.add_argument("--trace", help="decode: record a profiler trace of the bare step here and table its device kernels")
+    p.add_argument("--trace", help="decode: record a profiler trace of the bare step here and table its kernels")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny grid and few iterations: a seconds-long run")
     p.add_argument("--out", help="write the results as JSON here (and the plot beside it, .png)")

@@ -53,6 +53,7 @@ from benchmarks.common import (
     random_params,
     shape_config,
 )
+from jaxinfer.engine.config import LAYER_LOOPS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -466,8 +467,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ("--num-requests", int, "nanovllm: requests to keep (overrides 256 / scale)"),
         ("--cells", str, "fixed-length cells PROMPT/OUTPUT, comma list (divided by --scale)"),
         ("--cell-requests", int, "requests per cell (divided by --scale)"),
-        ("--max-num-seqs", int, "jaxinfer: sequences per step (--defaults: only these two when given, an A/B)"),
-        ("--max-num-batched-tokens", int, "jaxinfer: token budget of a step (None: max(256, max_num_seqs))"),
+        ("--max-num-seqs", int, "jaxinfer: sequences per step (with --defaults only when given, an A/B)"),
+        ("--max-num-batched-tokens", int, "jaxinfer: step token budget (None: max(256, max_num_seqs); as above)"),
         ("--references", str, "comma list of hf, llamacpp, llamacpp-quant; or none"),
     ]:
         name = flag[2:].replace("-", "_")
@@ -480,7 +481,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--memory-fraction", type=float, default=0.5, help="jaxinfer: with --num-kv-tokens 0")
     p.add_argument("--attn-impl", help="kernels_pallas impl for jaxinfer (default: the dispatcher's choice)")
-    p.add_argument("--layer-loop", choices=("auto", "scan", "unroll"),
+    p.add_argument("--layer-loop", choices=LAYER_LOOPS,
                    help="jaxinfer's layer loop, for an A/B (default: the library's, also with --defaults)")  # fmt: skip
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="references: CPU threads")
     p.add_argument("--hf-batch-size", type=int, default=32, help="hf: requests per generate() call")
