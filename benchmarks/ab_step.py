@@ -1,0 +1,193 @@
+"""Paired A/B of compiled step variants in one process: the calls alternate, so a shared machine's drift falls on
+every variant alike.
+
+    python -m benchmarks.ab_step --batch 1,32 --variants default,no_attention,unroll
+    python -m benchmarks.ab_step --batch 32 --variants default,cpu.DECODE_KV_CHUNK_TOKENS=256 --out ab_step.json
+
+On these 2-core machines separate processes (`ab_cpu_runtime`) vary by +-15% from run to run, which hid a 10%
+difference between the layer loops. Here each variant is compiled once from the same recorded engine step (the
+default model, a decode step at `--context` tokens per row) and the timed calls go round-robin over the variants,
+`--rounds` times; the table has each one's median and minimum and its ratio to the first variant (> 1: faster).
+
+Variants (comma list; the first is the baseline):
+- `default`: the engine's step as built (`--layer-loop auto`);
+- `scan`, `unroll`: the other layer loop, in an engine of its own (its own weights and KV pool);
+- `no_attention`, `no_kv_write`, `argmax_sampler`: ablations, patched in at trace time: attention returns its
+  queries, the K/V write leaves the pools as they are, the sampler is a plain argmax. What a part of the step
+  costs is the baseline minus the ablation (an ablated step computes different tokens: timing only);
+- `cpu.NAME=VALUE`: a module constant of `kernels_pallas.cpu` (the CPU attention's tuning) set while tracing;
+- `+` joins several in one variant: `no_attention+no_kv_write`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import bench_latency
+from benchmarks.common import SHAPES, format_table, metadata
+
+LOOPS = ("scan", "unroll")
+ABLATIONS = ("no_attention", "no_kv_write", "argmax_sampler")
+STATIC = ("model_def", "cfg", "layout", "decode_only", "advanced", "num_logprobs", "impl", "mesh", "prompt_logprobs")
+
+
+def _argmax_sample(logits: jax.Array, st: Any, **_: Any) -> Any:
+    from jaxinfer.sampling import SampleOutput
+
+    n = logits.shape[0]
+    empty = jnp.zeros((n, 0), jnp.float32)
+    return SampleOutput(jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros(n), empty.astype(jnp.int32), empty)
+
+
+@contextlib.contextmanager
+def patched(parts: Sequence[str]) -> Iterator[None]:
+    """The variant's trace-time changes, undone on exit."""
+    import kernels_pallas
+    from jaxinfer.engine import runner
+    from kernels_pallas import cpu
+
+    changes: list[tuple[Any, str, Any]] = []
+    for part in parts:
+        if part == "no_attention":
+            changes.append((kernels_pallas, "paged_decode_attention", lambda q, *_, **__: q))
+        elif part == "no_kv_write":
+            changes.append((kernels_pallas, "write_kv", lambda kp, vp, *_: (kp, vp)))
+        elif part == "argmax_sampler":
+            changes.append((runner, "sample", _argmax_sample))
+        elif part.startswith("cpu."):
+            name, _, value = part[4:].partition("=")
+            old = getattr(cpu, name)  # AttributeError names an unknown constant
+            changes.append((cpu, name, type(old)(value)))
+        elif part not in ("default", *LOOPS):
+            raise ValueError(f"--variants: unknown part {part!r}")
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in changes]
+    try:
+        for mod, name, value in changes:
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in reversed(saved):
+            setattr(mod, name, value)
+
+
+def recorded_step(loop: str, batch: int, context: int, shape: str | None) -> tuple[Any, tuple, dict]:
+    """An engine with this layer loop (the default model, or random weights at `shape`), `batch` rows decoding at
+    ~`context` tokens, and its last decode step's recorded `paged_step` arguments."""
+    from jaxinfer.types import SamplingParams
+
+    argv = ["--batch", str(batch), "--context", str(context), "--layer-loop", loop, "--prefill-len", str(context)]
+    args = bench_latency.parse_args(argv + (["--shape", shape, "--dtype", "float32"] if shape else []))
+    engine = bench_latency.build_engine(args)
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(max_tokens=bench_latency.decode_tokens(args, batch), temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, engine.cfg.vocab_size, context).tolist(), sp)
+    with bench_latency.capture_steps() as calls:
+        for _ in range(1000):
+            if len(calls) >= 3 and calls[-1][1].get("decode_only", False):
+                break
+            engine.step()
+        else:
+            raise RuntimeError("no decode step was recorded (an executable cache bypasses paged_step: set it off)")
+    a, kw = calls[-1]
+    if a:
+        raise RuntimeError("paged_step was called with positional arguments; expected keywords")
+    return engine, a, kw
+
+
+def compiled_variant(engine: Any, kw: dict, parts: Sequence[str]) -> Callable[[], Any]:
+    """The recorded step compiled under the variant's changes, as a closure that runs it once (the KV pools in
+    place, as the engine runs it) and blocks."""
+    from jaxinfer.engine import runner
+
+    fn = jax.jit(runner.paged_step.__wrapped__, static_argnames=STATIC, donate_argnames=("kv",))
+    with patched(parts):
+        compiled = fn.lower(**(kw | {"kv": engine.runner.kv})).compile()
+    dynamic = [n for n in inspect.signature(runner.paged_step.__wrapped__).parameters if n not in STATIC]
+
+    def run() -> Any:
+        args = {n: kw[n] for n in dynamic if n in kw} | {"kv": engine.runner.kv}
+        out, _, engine.runner.kv, _ = compiled(**args)  # the pools were donated
+        return jax.block_until_ready(out)
+
+    return run
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ab_step", description=__doc__.split("\n")[0])
+    p.add_argument("--variants", default="default,unroll,no_attention,argmax_sampler", help="comma list, see above")
+    p.add_argument("--batch", default="1,32", help="decode batch sizes (comma list)")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per row before the timed steps")
+    p.add_argument(
+        "--shape", choices=list(SHAPES), help="random f32 weights at this shape (default: the default model)"
+    )
+    p.add_argument("--rounds", type=int, default=30, help="timed calls of each variant, round-robin")
+    p.add_argument("--out", help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def run_batch(batch: int, variants: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    from jaxinfer.engine.runner import AUTO_LAYER_LOOP
+
+    default_loop = AUTO_LAYER_LOOP[jax.default_backend()]
+    engines: dict[str, tuple[Any, dict]] = {}
+    runs = []
+    for variant in variants:
+        parts = variant.split("+")
+        loop = next((p for p in parts if p in LOOPS), default_loop)
+        if loop not in engines:
+            engine, _, kw = recorded_step(loop, batch, args.context, args.shape)
+            engines[loop] = (engine, kw)
+        runs.append(compiled_variant(*engines[loop], parts))
+    for run in runs:  # warm: first calls touch fresh buffers
+        run()
+        run()
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(args.rounds):
+        for i, run in enumerate(runs):
+            t0 = time.perf_counter()
+            run()
+            samples[i].append(time.perf_counter() - t0)
+    base = statistics.median(samples[0])
+    return [
+        dict(batch=batch, variant=v, median_ms=statistics.median(s) * 1e3, min_ms=min(s) * 1e3,
+             vs_first=base / statistics.median(s))
+        for v, s in zip(variants, samples, strict=True)
+    ]  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        with patched(v.split("+")):  # unknown parts fail before any engine is built
+            pass
+    rows = []
+    for batch in (int(b) for b in args.batch.split(",")):
+        rows += run_batch(batch, variants, args)
+        print(f"decode B={batch} done", flush=True)
+    header = ["B", "variant", "median_ms", "min_ms", "vs_first"]
+    table = [[str(r["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", f"{r['vs_first']:.2f}x"]
+             for r in rows]  # fmt: skip
+    print(format_table(header, table))
+    if args.out:
+        meta = metadata("ab_step", args, argv or [])
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
