@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import statistics
 import time
@@ -38,8 +37,6 @@ from benchmarks import bench_latency
 from benchmarks.common import SHAPES, format_table, metadata
 
 LOOPS = ("scan", "unroll")
-ABLATIONS = ("no_attention", "no_kv_write", "argmax_sampler")
-STATIC = ("model_def", "cfg", "layout", "decode_only", "advanced", "num_logprobs", "impl", "mesh", "prompt_logprobs")
 
 
 def _argmax_sample(logits: jax.Array, st: Any, **_: Any) -> Any:
@@ -81,7 +78,7 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
             setattr(mod, name, value)
 
 
-def recorded_step(loop: str, batch: int, context: int, shape: str | None) -> tuple[Any, tuple, dict]:
+def recorded_step(loop: str, batch: int, context: int, shape: str | None) -> tuple[Any, dict]:
     """An engine with this layer loop (the default model, or random weights at `shape`), `batch` rows decoding at
     ~`context` tokens, and its last decode step's recorded `paged_step` arguments."""
     from jaxinfer.types import SamplingParams
@@ -100,25 +97,25 @@ def recorded_step(loop: str, batch: int, context: int, shape: str | None) -> tup
             engine.step()
         else:
             raise RuntimeError("no decode step was recorded (an executable cache bypasses paged_step: set it off)")
-    a, kw = calls[-1]
-    if a:
+    positional, kw = calls[-1]
+    if positional:
         raise RuntimeError("paged_step was called with positional arguments; expected keywords")
-    return engine, a, kw
+    return engine, kw
 
 
 def compiled_variant(engine: Any, kw: dict, parts: Sequence[str]) -> Callable[[], Any]:
     """The recorded step compiled under the variant's changes, as a closure that runs it once (the KV pools in
     place, as the engine runs it) and blocks."""
-    from jaxinfer.engine import runner
+    from jaxinfer.engine.runner import STEP_STATIC_ARGS, paged_step
 
-    fn = jax.jit(runner.paged_step.__wrapped__, static_argnames=STATIC, donate_argnames=("kv",))
+    # A jit of its own, so each variant traces anew (paged_step's cache would hand back the first trace).
+    fn = jax.jit(paged_step.__wrapped__, static_argnames=STEP_STATIC_ARGS, donate_argnames=("kv",))
     with patched(parts):
         compiled = fn.lower(**(kw | {"kv": engine.runner.kv})).compile()
-    dynamic = [n for n in inspect.signature(runner.paged_step.__wrapped__).parameters if n not in STATIC]
+    dynamic = {n: v for n, v in kw.items() if n not in STEP_STATIC_ARGS}  # a compiled step takes only these
 
     def run() -> Any:
-        args = {n: kw[n] for n in dynamic if n in kw} | {"kv": engine.runner.kv}
-        out, _, engine.runner.kv, _ = compiled(**args)  # the pools were donated
+        out, _, engine.runner.kv, _ = compiled(**(dynamic | {"kv": engine.runner.kv}))  # the pools were donated
         return jax.block_until_ready(out)
 
     return run
@@ -147,8 +144,7 @@ def run_batch(batch: int, variants: list[str], args: argparse.Namespace) -> list
         parts = variant.split("+")
         loop = next((p for p in parts if p in LOOPS), default_loop)
         if loop not in engines:
-            engine, _, kw = recorded_step(loop, batch, args.context, args.shape)
-            engines[loop] = (engine, kw)
+            engines[loop] = recorded_step(loop, batch, args.context, args.shape)
         runs.append(compiled_variant(*engines[loop], parts))
     for run in runs:  # warm: first calls touch fresh buffers
         run()

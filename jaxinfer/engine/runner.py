@@ -142,21 +142,12 @@ def _paged_attend(
     return attend
 
 
-@partial(
-    jax.jit,
-    static_argnames=(
-        "model_def",
-        "cfg",
-        "layout",
-        "decode_only",
-        "advanced",
-        "num_logprobs",
-        "impl",
-        "mesh",
-        "prompt_logprobs",
-    ),
-    donate_argnames=("kv",),
-)
+# The step's static arguments (a compiled program per combination); the rest are traced (see `Runner._dynamic`).
+STEP_STATIC_ARGS = ("model_def", "cfg", "layout", "decode_only", "advanced", "num_logprobs", "impl", "mesh",
+                    "prompt_logprobs")  # fmt: skip
+
+
+@partial(jax.jit, static_argnames=STEP_STATIC_ARGS, donate_argnames=("kv",))
 def paged_step(
     model_def: ModelDef,
     weights: list[jax.Array],
