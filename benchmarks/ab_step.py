@@ -103,13 +103,17 @@ def recorded_step(loop: str, batch: int, context: int, shape: str | None) -> tup
     return engine, kw
 
 
-def compiled_variant(engine: Any, kw: dict, parts: Sequence[str]) -> Callable[[], Any]:
-    """The recorded step compiled under the variant's changes, as a closure that runs it once (the KV pools in
-    place, as the engine runs it) and blocks."""
+def compiled_variant(engine: Any, kw: dict, parts: Sequence[str]) -> tuple[Callable[[], Any], Any]:
+    """The recorded step compiled under the variant's changes: (a closure that runs it once, the KV pools in place
+    as the engine runs it, and blocks; the compiled program, to inspect)."""
     from jaxinfer.engine.runner import STEP_STATIC_ARGS, paged_step
 
-    # A jit of its own, so each variant traces anew (paged_step's cache would hand back the first trace).
-    fn = jax.jit(paged_step.__wrapped__, static_argnames=STEP_STATIC_ARGS, donate_argnames=("kv",))
+    def step(**kwargs: Any) -> Any:
+        return paged_step.__wrapped__(**kwargs)
+
+    # NOTE: a fresh function per variant. jax caches traces by the Python function, across jit wrappers: a new
+    # `jax.jit(paged_step.__wrapped__)` hands back the engine's own trace, and the patches never take effect.
+    fn = jax.jit(step, static_argnames=STEP_STATIC_ARGS, donate_argnames=("kv",))
     with patched(parts):
         compiled = fn.lower(**(kw | {"kv": engine.runner.kv})).compile()
     dynamic = {n: v for n, v in kw.items() if n not in STEP_STATIC_ARGS}  # a compiled step takes only these
@@ -118,7 +122,7 @@ def compiled_variant(engine: Any, kw: dict, parts: Sequence[str]) -> Callable[[]
         out, _, engine.runner.kv, _ = compiled(**(dynamic | {"kv": engine.runner.kv}))  # the pools were donated
         return jax.block_until_ready(out)
 
-    return run
+    return run, compiled
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -145,7 +149,7 @@ def run_batch(batch: int, variants: list[str], args: argparse.Namespace) -> list
         loop = next((p for p in parts if p in LOOPS), default_loop)
         if loop not in engines:
             engines[loop] = recorded_step(loop, batch, args.context, args.shape)
-        runs.append(compiled_variant(*engines[loop], parts))
+        runs.append(compiled_variant(*engines[loop], parts)[0])
     for run in runs:  # warm: first calls touch fresh buffers
         run()
         run()

@@ -1,5 +1,5 @@
-"""Smoke test of benchmarks/ab_step.py: a tiny paired run writes one row per variant, and its trace-time patches
-are undone. Not a performance test: no timing is compared to anything."""
+"""Smoke test of benchmarks/ab_step.py: a tiny paired run writes one row per variant, each variant's trace-time
+patches reach its compiled program, and they are undone. Not a performance test: no timing is compared."""
 
 from __future__ import annotations
 
@@ -42,3 +42,13 @@ def test_patches_are_undone_and_unknown_parts_refused() -> None:
         pass
     with pytest.raises(AttributeError), ab_step.patched(["cpu.NO_SUCH_CONSTANT=1"]):
         pass
+
+
+def test_each_variant_compiles_its_own_program() -> None:
+    # jax caches traces per Python function: a variant must not get the engine's own trace back unchanged.
+    engine, kw = ab_step.recorded_step("scan", 2, 24, "tiny")
+    text = {v: ab_step.compiled_variant(engine, kw, v.split("+"))[1].as_text()
+            for v in ("default", "argmax_sampler", "no_attention+no_kv_write")}  # fmt: skip
+    assert "TopK" in text["default"] and "TopK" not in text["argmax_sampler"]  # the sampler's top-k/top-p
+    assert text["default"].count("scatter(") > text["no_attention+no_kv_write"].count("scatter(")  # the K/V write
+    assert text["default"].count(" dot(") > text["no_attention+no_kv_write"].count(" dot(")  # attention's dots
