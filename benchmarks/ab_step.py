@@ -6,7 +6,8 @@ every variant alike.
 
 On these 2-core machines separate processes (`ab_cpu_runtime`) vary by +-15% from run to run, which hid a 10%
 difference between the layer loops. Here each variant is compiled once from the same recorded engine step (the
-default model, a decode step at `--context` tokens per row) and the timed calls go round-robin over the variants,
+default model, a decode step at `--context` tokens per row, or a seeded uniform draw per row from a range `LO-HI`,
+as a real batch has) and the timed calls go round-robin over the variants,
 `--rounds` times; the table has each one's median and minimum and its ratio to the first variant (> 1: faster).
 
 Variants (comma list; the first is the baseline):
@@ -78,18 +79,31 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
             setattr(mod, name, value)
 
 
-def recorded_step(loop: str, batch: int, context: int, shape: str | None) -> tuple[Any, dict]:
+def context_lengths(context: str, batch: int) -> list[int]:
+    """Prompt tokens of each row: `N` for all, or `LO-HI` drawn uniformly per row (seeded: every engine of a run,
+    and every run, gets the same rows)."""
+    lo, _, hi = context.partition("-")
+    if not hi:
+        return [int(lo)] * batch
+    if not 1 <= int(lo) <= int(hi):
+        raise ValueError(f"--context: expected N or LO-HI with 1 <= LO <= HI, got {context!r}")
+    return np.random.default_rng(1).integers(int(lo), int(hi) + 1, batch).tolist()
+
+
+def recorded_step(loop: str, batch: int, context: str | int, shape: str | None) -> tuple[Any, dict]:
     """An engine with this layer loop (the default model, or random weights at `shape`), `batch` rows decoding at
-    ~`context` tokens, and its last decode step's recorded `paged_step` arguments."""
+    ~`context` tokens (see `context_lengths`), and its last decode step's recorded `paged_step` arguments."""
     from jaxinfer.types import SamplingParams
 
-    argv = ["--batch", str(batch), "--context", str(context), "--layer-loop", loop, "--prefill-len", str(context)]
+    lengths = context_lengths(str(context), batch)
+    longest = str(max(lengths))
+    argv = ["--batch", str(batch), "--context", longest, "--layer-loop", loop, "--prefill-len", longest]
     args = bench_latency.parse_args(argv + (["--shape", shape, "--dtype", "float32"] if shape else []))
     engine = bench_latency.build_engine(args)
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_tokens=bench_latency.decode_tokens(args, batch), temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, engine.cfg.vocab_size, context).tolist(), sp)
+    for n in lengths:
+        engine.add_request(rng.integers(0, engine.cfg.vocab_size, n).tolist(), sp)
     with bench_latency.capture_steps() as calls:
         for _ in range(1000):
             if len(calls) >= 3 and calls[-1][1].get("decode_only", False):
@@ -129,7 +143,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab_step", description=__doc__.split("\n")[0])
     p.add_argument("--variants", default="default,unroll,no_attention,argmax_sampler", help="comma list, see above")
     p.add_argument("--batch", default="1,32", help="decode batch sizes (comma list)")
-    p.add_argument("--context", type=int, default=256, help="prompt tokens per row before the timed steps")
+    p.add_argument("--context", default="256", help="prompt tokens per row before the timed steps: N, or LO-HI")
     p.add_argument(
         "--shape", choices=list(SHAPES), help="random f32 weights at this shape (default: the default model)"
     )
@@ -170,8 +184,9 @@ def run_batch(batch: int, variants: list[str], args: argparse.Namespace) -> list
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    context_lengths(args.context, 1)  # a malformed --context fails before any engine is built, as do unknown parts
     for v in variants:
-        with patched(v.split("+")):  # unknown parts fail before any engine is built
+        with patched(v.split("+")):
             pass
     rows = []
     for batch in (int(b) for b in args.batch.split(",")):

@@ -19,7 +19,7 @@ from kernels_pallas import cpu
 def test_paired_run_writes_a_row_per_variant(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
     variants = "default,no_attention+argmax_sampler,cpu.DECODE_KV_CHUNK_TOKENS=32"
-    argv = ["--shape", "tiny", "--batch", "2", "--context", "24", "--rounds", "2", "--variants", variants,
+    argv = ["--shape", "tiny", "--batch", "2", "--context", "16-24", "--rounds", "2", "--variants", variants,
             "--out", str(out)]  # fmt: skip
     assert ab_step.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -52,3 +52,13 @@ def test_each_variant_compiles_its_own_program() -> None:
     assert "TopK" in text["default"] and "TopK" not in text["argmax_sampler"]  # the sampler's top-k/top-p
     assert text["default"].count("scatter(") > text["no_attention+no_kv_write"].count("scatter(")  # the K/V write
     assert text["default"].count(" dot(") > text["no_attention+no_kv_write"].count(" dot(")  # attention's dots
+
+
+def test_context_range_is_seeded_and_checked() -> None:
+    assert ab_step.context_lengths("24", 3) == [24, 24, 24]
+    drawn = ab_step.context_lengths("16-384", 32)
+    assert drawn == ab_step.context_lengths("16-384", 32) and len(set(drawn)) > 1
+    assert all(16 <= n <= 384 for n in drawn)
+    for bad in ("0-4", "9-3", "x"):
+        with pytest.raises(ValueError):
+            ab_step.context_lengths(bad, 2)
