@@ -36,8 +36,9 @@ import numpy as np
 
 from benchmarks import bench_latency
 from benchmarks.common import SHAPES, format_table, metadata
+from jaxinfer.engine.config import LAYER_LOOPS
 
-LOOPS = ("scan", "unroll")
+LOOPS = tuple(loop for loop in LAYER_LOOPS if loop != "auto")  # the variants that name a layer loop
 
 
 def _argmax_sample(logits: jax.Array, st: Any, **_: Any) -> Any:
@@ -82,10 +83,10 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
 def context_lengths(context: str, batch: int) -> list[int]:
     """Prompt tokens of each row: `N` for all, or `LO-HI` drawn uniformly per row (seeded: every engine of a run,
     and every run, gets the same rows)."""
-    lo, _, hi = context.partition("-")
-    if not hi:
+    lo, dash, hi = context.partition("-")
+    if not dash:
         return [int(lo)] * batch
-    if not 1 <= int(lo) <= int(hi):
+    if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
         raise ValueError(f"--context: expected N or LO-HI with 1 <= LO <= HI, got {context!r}")
     return np.random.default_rng(1).integers(int(lo), int(hi) + 1, batch).tolist()
 

@@ -59,6 +59,6 @@ def test_context_range_is_seeded_and_checked() -> None:
     drawn = ab_step.context_lengths("16-384", 32)
     assert drawn == ab_step.context_lengths("16-384", 32) and len(set(drawn)) > 1
     assert all(16 <= n <= 384 for n in drawn)
-    for bad in ("0-4", "9-3", "x"):
+    for bad in ("0-4", "9-3", "x", "5-", "-5"):
         with pytest.raises(ValueError):
             ab_step.context_lengths(bad, 2)
