@@ -16,7 +16,8 @@ Variants (comma list; the first is the baseline):
 - `no_attention`, `no_kv_write`, `argmax_sampler`: ablations, patched in at trace time: attention returns its
   queries, the K/V write leaves the pools as they are, the sampler is a plain argmax. What a part of the step
   costs is the baseline minus the ablation (an ablated step computes different tokens: timing only);
-- `cpu.NAME=VALUE`: a module constant of `kernels_pallas.cpu` (the CPU attention's tuning) set while tracing;
+- `cpu.NAME=VALUE`: a module constant of `kernels_pallas.cpu` (the CPU attention's tuning) set while tracing
+  (flags take 0 or 1: `cpu.NATIVE_DECODE=0` is the jnp decode path instead of the numba kernel);
 - `+` joins several in one variant: `no_attention+no_kv_write`.
 """
 
@@ -67,7 +68,12 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
         elif part.startswith("cpu."):
             name, _, value = part[4:].partition("=")
             old = getattr(cpu, name)  # AttributeError names an unknown constant
-            changes.append((cpu, name, type(old)(value)))
+            if isinstance(old, bool):  # bool("0") is True
+                if value not in ("0", "1"):
+                    raise ValueError(f"--variants: {part!r}: a flag takes 0 or 1")
+                changes.append((cpu, name, value == "1"))
+            else:
+                changes.append((cpu, name, type(old)(value)))
         elif part not in ("default", *LOOPS):
             raise ValueError(f"--variants: unknown part {part!r}")
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in changes]

@@ -11,10 +11,11 @@ and, with a sliding window, from the first chunk its window reaches. Each block 
 prefix and its own fresh tokens in one masked softmax (causal, sliding window, soft-cap), the chunks merged exactly
 by an online softmax (log-sum-exp rescaling).
 
-Sequences with one query token (decodes, in a decode step or a mixed one) take the decode path: K/V gathered as
-contiguous [keys, Hkv * D] rows that both dots read in place (a block-diagonal query instead of a transposed copy
-of K and V). In a decode step the rows are sorted by length into groups (`DECODE_GROUP_ROWS`), each group walking
-its own KV chunks only as far as its longest row.
+Sequences with one query token (decodes, in a decode step or a mixed one) take the decode path: the numba kernel
+of kernels_pallas/decode_cpu.py where it supports the case (float32 pools, numba importable: 2.5-4x faster than
+XLA's ops here), otherwise jnp: K/V gathered as contiguous [keys, Hkv * D] rows that both dots read in place (a
+block-diagonal query instead of a transposed copy of K and V); in a decode step the rows are sorted by length into
+groups (`DECODE_GROUP_ROWS`), each group walking its own KV chunks only as far as its longest row.
 
 Same contracts as `kernels_pallas.reference` (table entries past a row's length are ignored, padding tokens and
 rows with no keys give zeros).
@@ -22,11 +23,25 @@ rows with no keys give zeros).
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.common import NEG_INF, apply_soft_cap, cdiv, key_mask, online_softmax_step, safe_normalize
+from kernels_pallas import decode_cpu
+from kernels_pallas.common import (
+    NEG_INF,
+    UnsupportedCase,
+    apply_soft_cap,
+    cdiv,
+    key_mask,
+    online_softmax_step,
+    safe_normalize,
+)
+
+_log = logging.getLogger(__name__)
 
 # Query tokens per block: a sequence's last block wastes up to block_q - 1 rows, a prefill chunk copies its pages
 # once per block_q tokens. 16 was fastest of 8/16/32 at SmolLM2 shapes (a T=256 mixed step; benchmarks/README); with
@@ -38,6 +53,8 @@ KV_CHUNK_TOKENS = 128  # fastest of 64/128/256/512 at SmolLM2 shapes (B=32 decod
 # Blocks per group on the ragged path (each group runs its own KV loop), at most this many groups.
 RAGGED_GROUP_BLOCKS = 8
 RAGGED_MAX_GROUPS = 8
+# Decode rows through the numba kernel (decode_cpu) when it supports the case; False: always the jnp path below.
+NATIVE_DECODE = True
 # Decode: rows per group (each group runs its own KV loop, as far as its longest row), at most this many groups
 # (a bigger batch gets bigger groups), and keys per step of a group's loop.
 DECODE_GROUP_ROWS = 8
@@ -175,8 +192,11 @@ def ragged_paged_attention(
     # One group (no sort): in this program, groups of decode rows cost more compile time (~1.4 s more for 30
     # layers) than they save at run time (a few %: a mixed step's decodes are the smaller part of it).
     one_lens = jnp.where(one, jnp.maximum(context_lens, 0), 0)
-    chunk_pages = max(1, min(width, DECODE_KV_CHUNK_TOKENS // page_size))
-    one_out = _decode_group(q[one_tok], k_pages, v_pages, page_table, one_lens, **opts, chunk_pages=chunk_pages)
+    if _native_decode(q, k_pages, v_pages):
+        one_out = decode_cpu.paged_decode_attention(q[one_tok], k_pages, v_pages, page_table, one_lens, **opts)
+    else:
+        chunk_pages = max(1, min(width, DECODE_KV_CHUNK_TOKENS // page_size))
+        one_out = _decode_group(q[one_tok], k_pages, v_pages, page_table, one_lens, **opts, chunk_pages=chunk_pages)
 
     seq, first, j, n_live = _block_layout(query_start_loc, jnp.where(one, 0, seq_q_len), num_tokens, block_q)
     num_blocks = seq.shape[0]
@@ -213,6 +233,34 @@ def ragged_paged_attention(
     result = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
     result = result.at[tok.reshape(-1)].set(out, mode="drop", unique_indices=True)
     return result.at[jnp.where(one, one_tok, num_tokens)].set(one_out.astype(q.dtype), mode="drop")
+
+
+@functools.cache
+def _warn_no_kernel(reason: str) -> None:
+    _log.warning("CPU decode attention: the numba kernel is unavailable (%s); using the slower jnp path", reason)
+
+
+def native_decode_declined(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> str | None:
+    """Why this path's decode rows do not go through the numba kernel for these shapes (None: they do)."""
+    if not NATIVE_DECODE:
+        return "off (kernels_pallas.cpu.NATIVE_DECODE)"
+    try:
+        decode_cpu.check_supported(q, k_pages, v_pages)
+    except UnsupportedCase as e:
+        return str(e)
+    return None
+
+
+def describe(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> str:
+    """The decode rows' implementation, for the start-up summary."""
+    declined = native_decode_declined(q, k_pages, v_pages)
+    return "numba decode kernel" if declined is None else f"jnp decode rows; numba kernel declined: {declined}"
+
+
+def _native_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> bool:
+    if NATIVE_DECODE and decode_cpu.unavailable() is not None:
+        _warn_no_kernel(decode_cpu.unavailable())
+    return native_decode_declined(q, k_pages, v_pages) is None
 
 
 def _decode_group(
@@ -344,7 +392,12 @@ def paged_decode_attention(
     sliding_window: int = 0,
     soft_cap: float | None = None,
 ) -> jax.Array:  # f[B, Hq, D], zeros for rows with length 0
-    """One query token per row: rows grouped by length, K/V read in place (see the module docstring)."""
+    """One query token per row: the numba kernel, or rows grouped by length, K/V read in place (see the module
+    docstring)."""
+    if _native_decode(q, k_pages, v_pages):
+        out = decode_cpu.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale=scale,
+                                                sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
+        return out.astype(q.dtype)
     out = _decode_rows(q, k_pages, v_pages, page_table, lengths, scale=scale, sliding_window=sliding_window,
                        soft_cap=soft_cap)  # fmt: skip
     return out.astype(q.dtype)

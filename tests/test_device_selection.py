@@ -100,7 +100,9 @@ def test_kv_cache_dtype_sets_the_pool_and_its_size(kv_cache_dtype, caplog):
     text = caplog.text
     assert f"backend {jax.default_backend()}" in text and "mesh none" in text
     assert f"KV cache dtype {expected.name}" in text
-    assert "attention: decode cpu | mixed cpu" in text  # the dispatcher's CPU path (kernels_pallas/cpu.py)
+    # The dispatcher's CPU path (kernels_pallas/cpu.py), its decode rows by the numba kernel for a float32 pool.
+    rows = "numba decode kernel" if expected == jnp.float32 else "jnp decode rows; numba kernel declined: q is bfloat16"
+    assert f"attention: decode cpu ({rows}" in text and f"| mixed cpu ({rows}" in text
 
 
 def test_kv_cache_dtype_follows_the_model_unless_set():

@@ -29,14 +29,17 @@ def _oracle_close(out, expected, dtype):
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("native", [True, False])  # decode rows through the numba kernel (f32), or jnp
 @pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype", DECODE_CASES)
-def test_cpu_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap, dtype):
+def test_cpu_decode_matches_oracle_and_reference(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
+                                                 native):  # fmt: skip
+    monkeypatch.setattr(cpu, "NATIVE_DECODE", native)
     lengths = [0, 1, 2 * page_size, 2 * page_size + 3, page_size - 1]
     case = make_decode_case(
         0, lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=page_size, dtype=dtype
     )
     opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
-    out = jax.jit(cpu.paged_decode_attention, static_argnames=STATIC[:3])(*case.args(), **opts)
+    out = jax.jit(lambda *a: cpu.paged_decode_attention(*a, **opts))(*case.args())  # a fresh trace per patch
     assert out.shape == case.q.shape and out.dtype == dtype
     _oracle_close(out, naive_decode(case, **opts), dtype)
     ref = jax.jit(reference.paged_decode_attention, static_argnames=STATIC[:3])(*case.args(), **opts)
@@ -51,7 +54,8 @@ def test_cpu_decode_row_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page
                                             group_rows, max_groups, max_row):  # fmt: skip
     """More rows than a group: rows sorted by length into groups (the last one padded), each group's KV loop over
     several chunks, as far as its own longest row (and from its first window chunk), and rows put back in order;
-    both layouts of a group's dots."""
+    both layouts of a group's dots. (The jnp path: the numba kernel has no groups.)"""
+    monkeypatch.setattr(cpu, "NATIVE_DECODE", False)
     monkeypatch.setattr(cpu, "DECODE_GROUP_ROWS", group_rows)
     monkeypatch.setattr(cpu, "DECODE_MAX_GROUPS", max_groups)
     monkeypatch.setattr(cpu, "DECODE_BLOCK_DIAG_MAX_ROW", max_row)
@@ -73,12 +77,15 @@ def test_cpu_decode_row_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page
 BLOCKED = [(*c[:-1], 4) for c in RAGGED_CASES] + [(*RAGGED_CASES[0][:-1], b) for b in (1, 16)]
 
 
+@pytest.mark.parametrize("native", [True, False])  # the decode tokens through the numba kernel (f32), or jnp
 @pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype,block_q", BLOCKED)
-def test_cpu_ragged_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap, dtype, block_q):
+def test_cpu_ragged_matches_oracle_and_reference(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
+                                                 block_q, native):  # fmt: skip
+    monkeypatch.setattr(cpu, "NATIVE_DECODE", native)
     case = make_ragged_case(1, SEQS, max_seqs=len(SEQS) + 2, pad_tokens=3, num_q_heads=hq, num_kv_heads=hkv,
                             head_dim=head_dim, page_size=page_size, dtype=dtype)  # fmt: skip
     opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
-    out = jax.jit(cpu.ragged_paged_attention, static_argnames=STATIC)(*case.args(), **opts, block_q=block_q)
+    out = jax.jit(lambda *a: cpu.ragged_paged_attention(*a, **opts, block_q=block_q))(*case.args())  # fresh trace
     assert out.shape == case.q.shape and out.dtype == dtype
     _oracle_close(out, naive_ragged(case, **opts), dtype)
     ref = jax.jit(reference.ragged_paged_attention, static_argnames=STATIC[:3])(*case.args(), **opts)
@@ -90,7 +97,9 @@ def test_cpu_ragged_matches_oracle_and_reference(head_dim, hq, hkv, page_size, w
 def test_cpu_ragged_block_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
                                               chunk):  # fmt: skip
     """Small groups: blocks in several groups (the last padded, some all dead), each group's KV loop over one-page
-    chunks up to its own last token (from its first window chunk); the decode tokens over one-page chunks too."""
+    chunks up to its own last token (from its first window chunk); the decode tokens over one-page chunks too (the
+    jnp decode path)."""
+    monkeypatch.setattr(cpu, "NATIVE_DECODE", False)
     monkeypatch.setattr(cpu, "RAGGED_GROUP_BLOCKS", 2)
     monkeypatch.setattr(cpu, "RAGGED_MAX_GROUPS", 3)
     monkeypatch.setattr(cpu, "KV_CHUNK_TOKENS", page_size)
