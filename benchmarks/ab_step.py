@@ -17,7 +17,7 @@ Variants (comma list; the first is the baseline):
   queries, the K/V write leaves the pools as they are, the sampler is a plain argmax. What a part of the step
   costs is the baseline minus the ablation (an ablated step computes different tokens: timing only);
 - `cpu.NAME=VALUE`: a module constant of `kernels_pallas.cpu` (the CPU attention's tuning) set while tracing
-  (flags take 0 or 1: `cpu.NATIVE_DECODE=0` is the jnp decode path instead of the numba kernel);
+  (flags take 0 or 1: `cpu.NATIVE=0` is the jnp path instead of the numba kernel);
 - `+` joins several in one variant: `no_attention+no_kv_write`.
 """
 

@@ -129,7 +129,7 @@ def describe_attention(
         table = jax.ShapeDtypeStruct((max_num_seqs, pages_per_seq), "int32")
         name, declined = explain(cands, (q, kv, kv, table))
         why = "".join(f"; {kernel} declined: {reason}" for kernel, reason in declined)
-        if name == "cpu":  # its decode rows: the numba kernel, or jnp
+        if name == "cpu":  # the numba kernel, or jnp
             why += f" ({cpu.describe(q, kv, kv)})"
         parts.append(f"{op} {name}{why}")
     return "attention: " + " | ".join(parts)

@@ -1,4 +1,9 @@
-"""Paged attention for XLA:CPU: work proportional to the live tokens, in plain jnp (no Pallas backend on CPU).
+"""Paged attention for XLA:CPU: work proportional to the live tokens (no Pallas backend on CPU).
+
+Where it supports the case (float32 pools, numba importable) both ops run the numba kernel of
+kernels_pallas/ragged_cpu.py, called through XLA's FFI: 2-3x faster than XLA's own ops at SmolLM2 shapes (decode
+and mixed steps alike; benchmarks/README.md). Otherwise (a bfloat16 pool, no numba, or `NATIVE` off) the plain jnp
+path below runs, the rest of this docstring.
 
 The reference gathers K/V once per *query token* (O(T * L) copies per layer for a prefill of T tokens over L keys)
 and decode reads the whole page-table width (`max_model_len`) of every row. Here the packed query tokens of a
@@ -11,11 +16,10 @@ and, with a sliding window, from the first chunk its window reaches. Each block 
 prefix and its own fresh tokens in one masked softmax (causal, sliding window, soft-cap), the chunks merged exactly
 by an online softmax (log-sum-exp rescaling).
 
-Sequences with one query token (decodes, in a decode step or a mixed one) take the decode path: the numba kernel
-of kernels_pallas/decode_cpu.py where it supports the case (float32 pools, numba importable: 2.5-4x faster than
-XLA's ops here), otherwise jnp: K/V gathered as contiguous [keys, Hkv * D] rows that both dots read in place (a
-block-diagonal query instead of a transposed copy of K and V); in a decode step the rows are sorted by length into
-groups (`DECODE_GROUP_ROWS`), each group walking its own KV chunks only as far as its longest row.
+Sequences with one query token (decodes, in a decode step or a mixed one) take the decode path: K/V gathered as
+contiguous [keys, Hkv * D] rows that both dots read in place (a block-diagonal query instead of a transposed copy
+of K and V). In a decode step the rows are sorted by length into groups (`DECODE_GROUP_ROWS`), each group walking
+its own KV chunks only as far as its longest row.
 
 Same contracts as `kernels_pallas.reference` (table entries past a row's length are ignored, padding tokens and
 rows with no keys give zeros).
@@ -30,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas import decode_cpu
+from kernels_pallas import ragged_cpu
 from kernels_pallas.common import (
     NEG_INF,
     UnsupportedCase,
@@ -53,8 +57,9 @@ KV_CHUNK_TOKENS = 128  # fastest of 64/128/256/512 at SmolLM2 shapes (B=32 decod
 # Blocks per group on the ragged path (each group runs its own KV loop), at most this many groups.
 RAGGED_GROUP_BLOCKS = 8
 RAGGED_MAX_GROUPS = 8
-# Decode rows through the numba kernel (decode_cpu) when it supports the case; False: always the jnp path below.
-NATIVE_DECODE = True
+# Both ops through the numba kernel (kernels_pallas/ragged_cpu.py) where it supports the case (2-3x faster than the
+# jnp path below at SmolLM2 shapes, decode and mixed steps alike); False: always the jnp path.
+NATIVE = True
 # Decode: rows per group (each group runs its own KV loop, as far as its longest row), at most this many groups
 # (a bigger batch gets bigger groups), and keys per step of a group's loop.
 DECODE_GROUP_ROWS = 8
@@ -182,6 +187,10 @@ def ragged_paged_attention(
     query_start_loc = query_start_loc.astype(jnp.int32)
     page_table = page_table.astype(jnp.int32)
     opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if _native(q, k_pages, v_pages):
+        out = ragged_cpu.ragged_paged_attention(q, k_pages, v_pages, page_table, context_lens, query_start_loc,
+                                                num_seqs, **opts)  # fmt: skip
+        return out.astype(q.dtype)
 
     live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs
     seq_q_len = jnp.clip(jnp.where(live, query_start_loc[1:] - query_start_loc[:-1], 0), 0, num_tokens)
@@ -192,11 +201,8 @@ def ragged_paged_attention(
     # One group (no sort): in this program, groups of decode rows cost more compile time (~1.4 s more for 30
     # layers) than they save at run time (a few %: a mixed step's decodes are the smaller part of it).
     one_lens = jnp.where(one, jnp.maximum(context_lens, 0), 0)
-    if _native_decode(q, k_pages, v_pages):
-        one_out = decode_cpu.paged_decode_attention(q[one_tok], k_pages, v_pages, page_table, one_lens, **opts)
-    else:
-        chunk_pages = max(1, min(width, DECODE_KV_CHUNK_TOKENS // page_size))
-        one_out = _decode_group(q[one_tok], k_pages, v_pages, page_table, one_lens, **opts, chunk_pages=chunk_pages)
+    chunk_pages = max(1, min(width, DECODE_KV_CHUNK_TOKENS // page_size))
+    one_out = _decode_group(q[one_tok], k_pages, v_pages, page_table, one_lens, **opts, chunk_pages=chunk_pages)
 
     seq, first, j, n_live = _block_layout(query_start_loc, jnp.where(one, 0, seq_q_len), num_tokens, block_q)
     num_blocks = seq.shape[0]
@@ -240,27 +246,27 @@ def _warn_no_kernel(reason: str) -> None:
     _log.warning("CPU decode attention: the numba kernel is unavailable (%s); using the slower jnp path", reason)
 
 
-def native_decode_declined(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> str | None:
-    """Why this path's decode rows do not go through the numba kernel for these shapes (None: they do)."""
-    if not NATIVE_DECODE:
-        return "off (kernels_pallas.cpu.NATIVE_DECODE)"
+def native_declined(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> str | None:
+    """Why this path does not run the numba kernel for these shapes (None: it does)."""
+    if not NATIVE:
+        return "off (kernels_pallas.cpu.NATIVE)"
     try:
-        decode_cpu.check_supported(q, k_pages, v_pages)
+        ragged_cpu.check_supported(q, k_pages, v_pages)
     except UnsupportedCase as e:
         return str(e)
     return None
 
 
 def describe(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> str:
-    """The decode rows' implementation, for the start-up summary."""
-    declined = native_decode_declined(q, k_pages, v_pages)
-    return "numba decode kernel" if declined is None else f"jnp decode rows; numba kernel declined: {declined}"
+    """What runs, for the start-up summary."""
+    declined = native_declined(q, k_pages, v_pages)
+    return "numba kernel" if declined is None else f"jnp; numba kernel declined: {declined}"
 
 
-def _native_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> bool:
-    if NATIVE_DECODE and decode_cpu.unavailable() is not None:
-        _warn_no_kernel(decode_cpu.unavailable())
-    return native_decode_declined(q, k_pages, v_pages) is None
+def _native(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> bool:
+    if NATIVE and ragged_cpu.unavailable() is not None:
+        _warn_no_kernel(ragged_cpu.unavailable())
+    return native_declined(q, k_pages, v_pages) is None
 
 
 def _decode_group(
@@ -394,8 +400,8 @@ def paged_decode_attention(
 ) -> jax.Array:  # f[B, Hq, D], zeros for rows with length 0
     """One query token per row: the numba kernel, or rows grouped by length, K/V read in place (see the module
     docstring)."""
-    if _native_decode(q, k_pages, v_pages):
-        out = decode_cpu.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale=scale,
+    if _native(q, k_pages, v_pages):
+        out = ragged_cpu.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale=scale,
                                                 sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
         return out.astype(q.dtype)
     out = _decode_rows(q, k_pages, v_pages, page_table, lengths, scale=scale, sliding_window=sliding_window,

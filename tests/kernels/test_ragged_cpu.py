@@ -1,6 +1,8 @@
-"""The numba CPU decode kernel (kernels_pallas/decode_cpu.py, called through XLA's FFI) against the float64 oracle
-and the jnp reference: GQA groups, head dims, page sizes, ragged lengths (0, 1, page multiples, the whole table),
-sliding windows, soft-cap, NaN in every slot a row does not own, garbage table entries past a row's pages."""
+"""The numba CPU attention kernel (kernels_pallas/ragged_cpu.py, called through XLA's FFI) against the float64
+oracle and the jnp reference: decode rows and mixed steps (prefill chunks over cached prefixes, several query blocks
+a chunk, decode tokens, padding tokens and rows), GQA groups, head dims, page sizes, ragged lengths (0, 1, page
+multiples, the whole table), sliding windows, soft-cap, NaN in every slot a row does not own, garbage table entries
+past a row's pages and garbage lengths and offsets past the live sequences."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_attention_cases import make_decode_case, naive_decode
+from paged_attention_cases import make_decode_case, make_ragged_case, naive_decode, naive_ragged
 
-from kernels_pallas import UnsupportedCase, cpu, decode_cpu, numba_ffi, reference
+from kernels_pallas import UnsupportedCase, cpu, numba_ffi, ragged_cpu, reference
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -29,11 +31,11 @@ CASES = [
 
 
 def _attend(case, **opts):
-    return jax.jit(lambda *a: decode_cpu.paged_decode_attention(*a, **opts))(*case.args())
+    return jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, **opts))(*case.args())
 
 
 @pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap", CASES)
-def test_decode_cpu_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap):
+def test_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap):
     ps = page_size
     lengths = [0, 1, 2 * ps, 2 * ps + 3, ps - 1, 7 * ps + 5, 3]
     case = make_decode_case(0, lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=ps)
@@ -46,18 +48,44 @@ def test_decode_cpu_matches_oracle_and_reference(head_dim, hq, hkv, page_size, w
     assert not np.any(np.asarray(out[0])), "a length-0 row is exactly zero"
 
 
-def test_decode_cpu_lengths_past_the_table_stop_at_its_end():
+# (q_len, context_len): chunks of several query blocks (BLOCK_Q = 16) over cached prefixes, a whole prompt, decodes,
+# an empty sequence.
+MIXED = [(40, 40), (5, 21), (1, 9), (1, 1), (17, 50), (0, 4), (33, 70), (1, 64)]
+
+
+@pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap", CASES)
+def test_mixed_step_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap):
+    case = make_ragged_case(1, MIXED, max_seqs=len(MIXED) + 2, pad_tokens=3, num_q_heads=hq, num_kv_heads=hkv,
+                            head_dim=head_dim, page_size=page_size)  # fmt: skip
+    opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+    out = jax.jit(lambda *a: ragged_cpu.ragged_paged_attention(*a, **opts))(*case.args())
+    assert out.shape == case.q.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), naive_ragged(case, **opts), rtol=1e-5, atol=1e-5)
+    ref = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **opts))(*case.args())
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(out[-3:])), "padding tokens are exactly zero"
+
+
+def test_mixed_step_with_no_live_sequences_is_zero():
+    case = make_ragged_case(2, [(3, 5)], max_seqs=2, pad_tokens=2, num_q_heads=2, num_kv_heads=1, head_dim=64,
+                            page_size=8)  # fmt: skip
+    args = list(case.args())
+    args[-1] = jnp.int32(0)
+    assert not np.any(np.asarray(jax.jit(lambda *a: ragged_cpu.ragged_paged_attention(*a, scale=0.125))(*args)))
+
+
+def test_ragged_cpu_lengths_past_the_table_stop_at_its_end():
     """A length beyond the table's width attends the table's keys only (as the jnp paths: keys past the table do not
     exist), never a slot outside the row's pages."""
     case = make_decode_case(1, [16, 5], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
     expected = naive_decode(case, scale=0.125, sliding_window=0, soft_cap=None)
     q, k, v, table, _ = case.args()
     lens = jnp.asarray([16 + 50, 5], jnp.int32)  # the table without its spare (garbage) column holds 16 keys
-    out = jax.jit(lambda *a: decode_cpu.paged_decode_attention(*a, scale=0.125))(q, k, v, table[:, :4], lens)
+    out = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125))(q, k, v, table[:, :4], lens)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_cpu_out_of_range_page_ids_never_read_outside_the_pool():
+def test_ragged_cpu_out_of_range_page_ids_never_read_outside_the_pool():
     """Page ids past the pool (or negative) inside a row's length are a caller's bug: the kernel clamps them into
     the pool rather than reading foreign memory, so the process survives."""
     case = make_decode_case(2, [9, 6], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
@@ -67,21 +95,21 @@ def test_decode_cpu_out_of_range_page_ids_never_read_outside_the_pool():
     assert out.shape == case.q.shape
 
 
-def test_decode_cpu_rows_do_not_depend_on_the_batch():
+def test_ragged_cpu_rows_do_not_depend_on_the_batch():
     """Each row is computed alone: the same row gives the same bits alone, in a batch, and on any thread count."""
     lengths = [37, 5, 64, 1, 100, 17, 0, 80]
     case = make_decode_case(3, lengths, num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     full = np.asarray(_attend(case, scale=0.125))
     q, k, v, table, lens = case.args()
     for r in (0, 4):
-        alone = jax.jit(lambda *a: decode_cpu.paged_decode_attention(*a, scale=0.125))(
+        alone = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125))(
             q[r : r + 1], k, v, table[r : r + 1], lens[r : r + 1]
         )
         np.testing.assert_array_equal(np.asarray(alone)[0], full[r])
 
 
 @pytest.mark.parametrize("threads", [1, 3, 64])
-def test_decode_cpu_thread_count_changes_no_bits(monkeypatch, threads):
+def test_ragged_cpu_thread_count_changes_no_bits(monkeypatch, threads):
     lengths = [37, 5, 64, 1, 100]
     case = make_decode_case(4, lengths, num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     base = np.asarray(_attend(case, scale=0.125))
@@ -89,39 +117,43 @@ def test_decode_cpu_thread_count_changes_no_bits(monkeypatch, threads):
     np.testing.assert_array_equal(np.asarray(_attend(case, scale=0.125)), base)
 
 
-def test_decode_cpu_declines_what_it_does_not_run():
+def test_ragged_cpu_declines_what_it_does_not_run():
     q = jnp.zeros((2, 4, 64), jnp.bfloat16)
     pages = jnp.zeros((8, 16, 2, 64), jnp.bfloat16)
     with pytest.raises(UnsupportedCase, match="float32"):
-        decode_cpu.check_supported(q, pages, pages)
+        ragged_cpu.check_supported(q, pages, pages)
     with pytest.raises(UnsupportedCase, match="multiple"):
-        decode_cpu.check_supported(jnp.zeros((2, 3, 64)), jnp.zeros((8, 16, 2, 64)), jnp.zeros((8, 16, 2, 64)))
+        ragged_cpu.check_supported(jnp.zeros((2, 3, 64)), jnp.zeros((8, 16, 2, 64)), jnp.zeros((8, 16, 2, 64)))
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_cpu_path_uses_the_kernel_for_decode_rows(monkeypatch, native):
-    """The CPU path's decode step and the decode rows of its mixed step call the FFI kernel (NATIVE_DECODE), or the
-    jnp loops without it; both give the oracle's answer."""
-    monkeypatch.setattr(cpu, "NATIVE_DECODE", native)
-    case = make_decode_case(5, [0, 3, 40, 17], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
+def test_cpu_path_runs_the_kernel_for_both_ops(monkeypatch, native):
+    """The CPU path's decode and mixed steps call the FFI kernel (NATIVE), or the jnp loops without it; both give
+    the oracle's answer."""
+    monkeypatch.setattr(cpu, "NATIVE", native)
     opts = dict(scale=0.125, sliding_window=0, soft_cap=None)
+    case = make_decode_case(5, [0, 3, 40, 17], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     fn = jax.jit(lambda *a: cpu.paged_decode_attention(*a, **opts))  # a fresh trace per patch
-    hlo = fn.lower(*case.args()).as_text()
-    assert (decode_cpu.TARGET in hlo) == native
+    assert (ragged_cpu.TARGET in fn.lower(*case.args()).as_text()) == native
     np.testing.assert_allclose(np.asarray(fn(*case.args())), naive_decode(case, **opts), rtol=1e-5, atol=1e-5)
+    mixed = make_ragged_case(5, MIXED, max_seqs=len(MIXED), pad_tokens=1, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                             page_size=16)  # fmt: skip
+    fn = jax.jit(lambda *a: cpu.ragged_paged_attention(*a, **opts))
+    assert (ragged_cpu.TARGET in fn.lower(*mixed.args()).as_text()) == native
+    np.testing.assert_allclose(np.asarray(fn(*mixed.args())), naive_ragged(mixed, **opts), rtol=1e-5, atol=1e-5)
 
 
 def test_without_the_kernel_the_cpu_path_warns_and_uses_jnp(monkeypatch, caplog):
     """Where numba is missing or finds no thread-safe threading layer, the CPU path says so once and runs jnp."""
-    monkeypatch.setattr(decode_cpu, "unavailable", lambda: "numba is not installed")
+    monkeypatch.setattr(ragged_cpu, "unavailable", lambda: "numba is not installed")
     monkeypatch.setattr(cpu, "_warn_no_kernel", functools.cache(cpu._warn_no_kernel.__wrapped__))
     case = make_decode_case(6, [3, 40], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     opts = dict(scale=0.125, sliding_window=0, soft_cap=None)
     with caplog.at_level(logging.WARNING, logger="kernels_pallas.cpu"):
         fn = jax.jit(lambda *a: cpu.paged_decode_attention(*a, **opts))
         hlo = fn.lower(*case.args()).as_text()
-    assert decode_cpu.TARGET not in hlo
+    assert ragged_cpu.TARGET not in hlo
     assert "numba is not installed" in caplog.text
     np.testing.assert_allclose(np.asarray(fn(*case.args())), naive_decode(case, **opts), rtol=1e-5, atol=1e-5)
     with pytest.raises(UnsupportedCase, match="numba is not installed"):
-        decode_cpu.paged_decode_attention(*case.args(), scale=0.125)
+        ragged_cpu.paged_decode_attention(*case.args(), scale=0.125)

@@ -1,0 +1,97 @@
+"""Paged attention for CPU: a numba kernel that the jitted step calls through XLA's FFI.
+
+On XLA:CPU the jnp path (kernels_pallas/cpu.py) is bound by XLA's op-level code for small shapes: its batched
+[rows x D] by [D x keys] dots run at a tenth of the cores' peak and each page gather is a copy (decode attention
+was about half of a batch-32 SmolLM2 decode step; benchmarks/README.md). This kernel walks each sequence's pages in
+place. Work items are (sequence, block of up to `BLOCK_Q` query tokens, KV head), a decode being one token; an
+item's query rows (tokens x the KV head's query heads) go over the keys four at a time, so a key loaded once feeds
+four dot products, then each row's softmax over its own keys (causal, sliding window, soft-cap) and one pass over
+V. Work and memory traffic follow the live tokens, and nothing is copied.
+
+Exact two-pass softmax per row (an item's scores fit in a few MB). Items are independent, so a sequence's result
+does not depend on the batch it is in. Float32 pools only (the CPU default); other dtypes take the jnp path.
+Same contracts as `kernels_pallas.reference` (table entries past a row's keys are never read, padding tokens and
+rows with no keys give zeros).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import numba_ffi
+from kernels_pallas.common import UnsupportedCase
+
+TARGET = "jaxinfer_ragged_paged_attention_f32"
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why the kernel cannot run in this process (None: it can, and is registered with XLA). The first call imports
+    numba and loads the kernel (about a second; compiled once per machine, about 10 s)."""
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed"
+    try:
+        from kernels_pallas import ragged_cpu_numba
+    except (ImportError, ValueError) as e:  # ValueError: numba found no thread-safe threading layer
+        return f"the numba kernel did not load ({type(e).__name__}: {e})"
+    numba_ffi.register(TARGET, ragged_cpu_numba.handler)
+    return None
+
+
+def check_supported(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array | None = None) -> None:
+    if jax.default_backend() != "cpu":
+        raise UnsupportedCase(f"a CPU kernel (backend is {jax.default_backend()})")
+    for name, a in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if a.dtype != jnp.float32:
+            raise UnsupportedCase(f"{name} is {a.dtype}: float32 only")
+    if q.shape[1] % k_pages.shape[2]:
+        raise UnsupportedCase(f"{q.shape[1]} query heads are not a multiple of {k_pages.shape[2]} KV heads")
+    reason = unavailable()
+    if reason is not None:
+        raise UnsupportedCase(reason)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # f32[T, Hq, D] query tokens of all sequences, packed
+    k_pages: jax.Array,  # f32[num_pages, page_size, Hkv, D] (new tokens' K/V already written)
+    v_pages: jax.Array,  # f32[num_pages, page_size, Hkv, D]
+    page_table: jax.Array,  # i32[max_seqs, W]
+    context_lens: jax.Array,  # i32[max_seqs] KV length incl. the new query tokens
+    query_start_loc: jax.Array,  # i32[max_seqs + 1]
+    num_seqs: jax.Array,  # i32[] (or i32[1])
+    *,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float | None = None,
+) -> jax.Array:  # f32[T, Hq, D], zeros for padding tokens
+    reason = unavailable()
+    if reason is not None:
+        raise UnsupportedCase(reason)
+    # Static settings as an operand (the handlers read buffers only); the thread count is numba's at trace time.
+    settings = jnp.asarray([scale, sliding_window, soft_cap or 0.0, numba_ffi.num_threads()], jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    i32 = jnp.int32
+    return call(q, k_pages, v_pages, page_table.astype(i32), context_lens.astype(i32), query_start_loc.astype(i32),
+                jnp.asarray(num_seqs, i32).reshape(1), settings)  # fmt: skip
+
+
+def paged_decode_attention(
+    q: jax.Array,  # f32[B, Hq, D] one query token per row
+    k_pages: jax.Array,  # f32[num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # f32[num_pages, page_size, Hkv, D]
+    page_table: jax.Array,  # i32[B, W]
+    lengths: jax.Array,  # i32[B] valid KV tokens incl. the current one (0: no keys, zeros out)
+    *,
+    scale: float,
+    sliding_window: int = 0,
+    soft_cap: float | None = None,
+) -> jax.Array:  # f32[B, Hq, D]
+    """Decode: the ragged kernel with one query token per row."""
+    rows = q.shape[0]
+    return ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, jnp.arange(rows + 1, dtype=jnp.int32),
+                                  jnp.int32(rows), scale=scale, sliding_window=sliding_window,
+                                  soft_cap=soft_cap)  # fmt: skip
