@@ -24,6 +24,9 @@ _ROWS_PER_PASS = 4
 # Query tokens per work item of a prefill chunk: its rows share each pass over the keys (read from cache), and the
 # items of a long chunk spread over the threads.
 BLOCK_Q = 16
+# Below this much work (query rows x keys, summed over a call's items) the items run on the calling thread: waking
+# numba's threads costs more than it saves (a batch-1 decode step ran ~5% slower with them).
+_SERIAL_WORK = 1 << 15
 
 
 @intrinsic
@@ -143,37 +146,60 @@ def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale,
     item_start = np.empty(num_tokens + num_seqs, np.int64)
     item_len = np.empty(num_tokens + num_seqs, np.int64)
     n = 0
+    longest_block = 1  # query tokens of the largest item
+    longest_context = 1  # keys of the longest live sequence (its scores row), at most the table's
     for s in range(num_seqs):
         start = min(max(query_start_loc[s], 0), num_tokens)
         end = min(max(query_start_loc[s + 1], start), num_tokens)
+        if end > start:
+            longest_block = max(longest_block, min(BLOCK_Q, end - start))
+            longest_context = max(longest_context, min(context_lens[s], keys))
         for b in range(start, end, BLOCK_Q):
             item_seq[n], item_start[n], item_len[n] = s, b, min(BLOCK_Q, end - b)
             n += 1
     out[:] = 0.0  # padding tokens (past query_start_loc[num_seqs]) stay zero
     items = n * num_kv_heads
+    rows_max = longest_block * group
+    if items * rows_max * longest_context < _SERIAL_WORK:  # a small call: no thread hand-off
+        _run_items(0, 1, items, q, k, v, table, context_lens, query_start_loc, item_seq, item_start, item_len, out,
+                   scale, window, cap, rows_max, longest_context)  # fmt: skip
+        return
     workers = max(1, min(threads, items))
     # Items dealt round-robin (prange alone hands each thread one contiguous range): decodes and prefill blocks,
     # rows of different lengths, balance over the threads.
     for w in prange(workers):
-        scores = np.empty((BLOCK_Q * group, keys), np.float32)
-        acc = np.empty((_ROWS_PER_PASS, head_dim), np.float32)
-        qb = np.empty((BLOCK_Q * group, head_dim), np.float32)
-        ob = np.empty((BLOCK_Q * group, head_dim), np.float32)
-        pos = np.empty(BLOCK_Q * group, np.int64)
-        for item in range(w, items, workers):
-            i, h = item // num_kv_heads, item % num_kv_heads
-            s, start, length = item_seq[i], item_start[i], item_len[i]
-            q_len = min(max(query_start_loc[s + 1], 0), num_tokens) - min(max(query_start_loc[s], 0), num_tokens)
-            first_pos = context_lens[s] - q_len + (start - query_start_loc[s])  # position of the block's 1st token
-            rows = length * group
-            for ti in range(length):
-                for g in range(group):
-                    qb[ti * group + g] = q[start + ti, h * group + g]
-                    pos[ti * group + g] = first_pos + ti
-            _attend_item(qb[:rows], k, v, table[s], pos[:rows], h, ob[:rows], scale, window, cap, scores, acc)
-            for ti in range(length):
-                for g in range(group):
-                    out[start + ti, h * group + g] = ob[ti * group + g]
+        _run_items(w, workers, items, q, k, v, table, context_lens, query_start_loc, item_seq, item_start, item_len,
+                   out, scale, window, cap, rows_max, longest_context)  # fmt: skip
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _run_items(w, workers, items, q, k, v, table, context_lens, query_start_loc, item_seq, item_start, item_len, out,
+               scale, window, cap, rows_max, longest_context):  # fmt: skip
+    """Items w, w + workers, ... of one call. Scratch is sized by the call's largest item, not the table's width:
+    a decode step at 300 keys needs a 4 KB scores row, where BLOCK_Q rows of max_model_len keys would be an mmap
+    and fresh page faults every call."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    scores = np.empty((rows_max, longest_context), np.float32)
+    acc = np.empty((_ROWS_PER_PASS, head_dim), np.float32)
+    qb = np.empty((rows_max, head_dim), np.float32)
+    ob = np.empty((rows_max, head_dim), np.float32)
+    pos = np.empty(rows_max, np.int64)
+    for item in range(w, items, workers):
+        i, h = item // num_kv_heads, item % num_kv_heads
+        s, start, length = item_seq[i], item_start[i], item_len[i]
+        q_len = min(max(query_start_loc[s + 1], 0), num_tokens) - min(max(query_start_loc[s], 0), num_tokens)
+        first_pos = context_lens[s] - q_len + (start - query_start_loc[s])  # position of the block's first token
+        rows = length * group
+        for ti in range(length):
+            for g in range(group):
+                qb[ti * group + g] = q[start + ti, h * group + g]
+                pos[ti * group + g] = first_pos + ti
+        _attend_item(qb[:rows], k, v, table[s], pos[:rows], h, ob[:rows], scale, window, cap, scores, acc)
+        for ti in range(length):
+            for g in range(group):
+                out[start + ti, h * group + g] = ob[ti * group + g]
 
 
 @cfunc(types.voidptr(types.voidptr), cache=True)

@@ -96,10 +96,13 @@ def test_ragged_cpu_out_of_range_page_ids_never_read_outside_the_pool():
 
 
 def test_ragged_cpu_rows_do_not_depend_on_the_batch():
-    """Each row is computed alone: the same row gives the same bits alone, in a batch, and on any thread count."""
-    lengths = [37, 5, 64, 1, 100, 17, 0, 80]
+    """Each row is computed alone: the same row gives the same bits alone (a small call, on the calling thread) and
+    in a batch (a large one, on numba's threads), and matches the oracle either way."""
+    lengths = [370, 5, 640, 1, 1000, 170, 0, 800]
     case = make_decode_case(3, lengths, num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     full = np.asarray(_attend(case, scale=0.125))
+    np.testing.assert_allclose(full, naive_decode(case, scale=0.125, sliding_window=0, soft_cap=None), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
     q, k, v, table, lens = case.args()
     for r in (0, 4):
         alone = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125))(
@@ -110,7 +113,7 @@ def test_ragged_cpu_rows_do_not_depend_on_the_batch():
 
 @pytest.mark.parametrize("threads", [1, 3, 64])
 def test_ragged_cpu_thread_count_changes_no_bits(monkeypatch, threads):
-    lengths = [37, 5, 64, 1, 100]
+    lengths = [370, 5, 640, 1, 1000]
     case = make_decode_case(4, lengths, num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     base = np.asarray(_attend(case, scale=0.125))
     monkeypatch.setattr(numba_ffi, "num_threads", lambda: threads)
