@@ -243,7 +243,7 @@ def ragged_paged_attention(
 
 @functools.cache
 def _warn_no_kernel(reason: str) -> None:
-    _log.warning("CPU decode attention: the numba kernel is unavailable (%s); using the slower jnp path", reason)
+    _log.warning("CPU attention: the numba kernel is unavailable (%s); using the slower jnp path", reason)
 
 
 def native_declined(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> str | None:

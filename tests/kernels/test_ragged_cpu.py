@@ -160,3 +160,21 @@ def test_without_the_kernel_the_cpu_path_warns_and_uses_jnp(monkeypatch, caplog)
     np.testing.assert_allclose(np.asarray(fn(*case.args())), naive_decode(case, **opts), rtol=1e-5, atol=1e-5)
     with pytest.raises(UnsupportedCase, match="numba is not installed"):
         ragged_cpu.paged_decode_attention(*case.args(), scale=0.125)
+
+
+def test_the_kernels_exp_is_within_float32_rounding():
+    """The softmax's written-out exp (vectorizable, unlike expf) against numpy's float64 exp over its range."""
+    from numba import njit
+
+    from kernels_pallas.ragged_cpu_numba import _exp
+
+    @njit(fastmath=True)
+    def each(xs, out):
+        for i in range(xs.shape[0]):
+            out[i] = _exp(xs[i])
+
+    xs = np.concatenate([np.linspace(-87, 0, 200_001), [-1e-30, 0.0]]).astype(np.float32)
+    out = np.empty_like(xs)
+    each(xs, out)
+    exact = np.exp(xs.astype(np.float64))
+    assert np.max(np.abs(out - exact) / exact) < 2e-7
