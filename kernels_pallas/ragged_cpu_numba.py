@@ -142,10 +142,12 @@ def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale,
     group = num_q_heads // num_kv_heads
     keys = table.shape[1] * k.shape[1]
     num_seqs = min(max(num_seqs, 0), table.shape[0])
-    # Work items: (sequence, query block, KV head), a decode row being one block of one token.
+    # Work items: (sequence, query block, KV head), a decode row being one block of one token. Per block: its
+    # sequence, first token, tokens, and the first token's position (the sequence's new tokens end its context).
     item_seq = np.empty(num_tokens + num_seqs, np.int64)
     item_start = np.empty(num_tokens + num_seqs, np.int64)
     item_len = np.empty(num_tokens + num_seqs, np.int64)
+    item_pos = np.empty(num_tokens + num_seqs, np.int64)
     n = 0
     longest_block = 1  # query tokens of the largest item
     longest_context = 1  # keys of the longest live sequence (its scores row), at most the table's
@@ -157,29 +159,30 @@ def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale,
             longest_context = max(longest_context, min(context_lens[s], keys))
         for b in range(start, end, BLOCK_Q):
             item_seq[n], item_start[n], item_len[n] = s, b, min(BLOCK_Q, end - b)
+            item_pos[n] = context_lens[s] - (end - start) + (b - start)
             n += 1
     out[:] = 0.0  # padding tokens (past query_start_loc[num_seqs]) stay zero
     items = n * num_kv_heads
     rows_max = longest_block * group
     if items * rows_max * longest_context < _SERIAL_WORK:  # a small call: no thread hand-off
-        _run_items(0, 1, items, q, k, v, table, context_lens, query_start_loc, item_seq, item_start, item_len, out,
-                   scale, window, cap, rows_max, longest_context)  # fmt: skip
+        _run_items(0, 1, items, q, k, v, table, item_seq, item_start, item_len, item_pos, out, scale, window, cap,
+                   rows_max, longest_context)  # fmt: skip
         return
     workers = max(1, min(threads, items))
     # Items dealt round-robin (prange alone hands each thread one contiguous range): decodes and prefill blocks,
     # rows of different lengths, balance over the threads.
     for w in prange(workers):
-        _run_items(w, workers, items, q, k, v, table, context_lens, query_start_loc, item_seq, item_start, item_len,
-                   out, scale, window, cap, rows_max, longest_context)  # fmt: skip
+        _run_items(w, workers, items, q, k, v, table, item_seq, item_start, item_len, item_pos, out, scale, window,
+                   cap, rows_max, longest_context)  # fmt: skip
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _run_items(w, workers, items, q, k, v, table, context_lens, query_start_loc, item_seq, item_start, item_len, out,
-               scale, window, cap, rows_max, longest_context):  # fmt: skip
+def _run_items(w, workers, items, q, k, v, table, item_seq, item_start, item_len, item_pos, out, scale, window, cap,
+               rows_max, longest_context):  # fmt: skip
     """Items w, w + workers, ... of one call. Scratch is sized by the call's largest item, not the table's width:
     a decode step at 300 keys needs a 4 KB scores row, where BLOCK_Q rows of max_model_len keys would be an mmap
     and fresh page faults every call."""
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
     scores = np.empty((rows_max, longest_context), np.float32)
@@ -189,9 +192,7 @@ def _run_items(w, workers, items, q, k, v, table, context_lens, query_start_loc,
     pos = np.empty(rows_max, np.int64)
     for item in range(w, items, workers):
         i, h = item // num_kv_heads, item % num_kv_heads
-        s, start, length = item_seq[i], item_start[i], item_len[i]
-        q_len = min(max(query_start_loc[s + 1], 0), num_tokens) - min(max(query_start_loc[s], 0), num_tokens)
-        first_pos = context_lens[s] - q_len + (start - query_start_loc[s])  # position of the block's first token
+        s, start, length, first_pos = item_seq[i], item_start[i], item_len[i], item_pos[i]
         rows = length * group
         for ti in range(length):
             for g in range(group):

@@ -54,7 +54,7 @@ def test_each_variant_compiles_its_own_program() -> None:
     assert "TopK" in text["default"] and "TopK" not in text["argmax_sampler"]  # the sampler's top-k/top-p
     assert text["default"].count("scatter(") > text["no_attention+no_kv_write"].count("scatter(")  # the K/V write
     assert text["default"].count(" dot(") > text["no_attention+no_kv_write"].count(" dot(")  # attention's dots
-    if jax.default_backend() == "cpu":  # the numba decode kernel, or the jnp loops in its place
+    if jax.default_backend() == "cpu":  # the numba attention kernel, or the jnp loops in its place
         assert ragged_cpu.TARGET in text["default"] and ragged_cpu.TARGET not in text["cpu.NATIVE=0"]
 
 
