@@ -2,7 +2,7 @@
 every variant alike.
 
     python -m benchmarks.ab_step --batch 1,32 --variants default,no_attention,unroll
-    python -m benchmarks.ab_step --batch 32 --variants default,cpu.DECODE_KV_CHUNK_TOKENS=256 --out ab_step.json
+    python -m benchmarks.ab_step --batch 32 --variants default,impl=cpu_jnp --out ab_step.json
 
 On these 2-core machines separate processes (`ab_cpu_runtime`) vary by +-15% from run to run, which hid a 10%
 difference between the layer loops. Here each variant is compiled once from the same recorded engine step (the
@@ -16,8 +16,10 @@ Variants (comma list; the first is the baseline):
 - `no_attention`, `no_kv_write`, `argmax_sampler`: ablations, patched in at trace time: attention returns its
   queries, the K/V write leaves the pools as they are, the sampler is a plain argmax. What a part of the step
   costs is the baseline minus the ablation (an ablated step computes different tokens: timing only);
-- `cpu.NAME=VALUE`: a module constant of `kernels_pallas.cpu` (the CPU attention's tuning) set while tracing
-  (flags take 0 or 1: `cpu.NATIVE=0` is the jnp path instead of the numba kernel);
+- `impl=NAME`: the attention implementation the dispatcher starts from (`kernels_pallas.IMPLS`): `impl=cpu_jnp` is
+  the jnp path instead of the numba kernel;
+- `cpu.NAME=VALUE`: a module constant of `kernels_pallas.cpu` (the jnp CPU attention's tuning) set while tracing,
+  with `impl=cpu_jnp` (the default runs the numba kernel);
 - `+` joins several in one variant: `no_attention+no_kv_write`.
 """
 
@@ -65,15 +67,13 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
             changes.append((kernels_pallas, "write_kv", lambda kp, vp, *_: (kp, vp)))
         elif part == "argmax_sampler":
             changes.append((runner, "sample", _argmax_sample))
+        elif part.startswith("impl="):
+            if part[5:] not in kernels_pallas.IMPLS:
+                raise ValueError(f"--variants: {part!r}: expected one of {kernels_pallas.IMPLS}")
         elif part.startswith("cpu."):
             name, _, value = part[4:].partition("=")
             old = getattr(cpu, name)  # AttributeError names an unknown constant
-            if isinstance(old, bool):  # bool("0") is True
-                if value not in ("0", "1"):
-                    raise ValueError(f"--variants: {part!r}: a flag takes 0 or 1")
-                changes.append((cpu, name, value == "1"))
-            else:
-                changes.append((cpu, name, type(old)(value)))
+            changes.append((cpu, name, type(old)(value)))
         elif part not in ("default", *LOOPS):
             raise ValueError(f"--variants: unknown part {part!r}")
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in changes]
@@ -135,6 +135,9 @@ def compiled_variant(engine: Any, kw: dict, parts: Sequence[str]) -> tuple[Calla
     # NOTE: a fresh function per variant. jax caches traces by the Python function, across jit wrappers: a new
     # `jax.jit(paged_step.__wrapped__)` hands back the engine's own trace, and the patches never take effect.
     fn = jax.jit(step, static_argnames=STEP_STATIC_ARGS, donate_argnames=("kv",))
+    for part in parts:
+        if part.startswith("impl="):
+            kw = kw | {"impl": part[5:]}
     with patched(parts):
         compiled = fn.lower(**(kw | {"kv": engine.runner.kv})).compile()
     dynamic = {n: v for n, v in kw.items() if n not in STEP_STATIC_ARGS}  # a compiled step takes only these

@@ -164,7 +164,8 @@ def random_inputs(
 
 def backend_impls(backend: str) -> list[str]:
     """The dispatcher impls worth timing on this backend, then the dense XLA baseline."""
-    kernel = {"gpu": ["pallas_gpu"], "tpu": ["pallas_tpu"], "cpu": ["cpu"]}.get(backend, [])
+    # On CPU "cpu" is the numba kernel for float32 (the jnp path otherwise, then "cpu_jnp" is the same and not timed).
+    kernel = {"gpu": ["pallas_gpu"], "tpu": ["pallas_tpu"], "cpu": ["cpu", "cpu_jnp"]}.get(backend, [])
     return [*kernel, REFERENCE, XLA_DENSE]
 
 

@@ -116,7 +116,6 @@ def describe_attention(
     """Which attention implementation the decode and the mixed steps will use, and why any kernel declined."""
     import jax
 
-    from kernels_pallas import cpu
     from kernels_pallas.dispatch import decode_candidates, explain, ragged_candidates
 
     kv = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), dtype)
@@ -129,7 +128,5 @@ def describe_attention(
         table = jax.ShapeDtypeStruct((max_num_seqs, pages_per_seq), "int32")
         name, declined = explain(cands, (q, kv, kv, table))
         why = "".join(f"; {kernel} declined: {reason}" for kernel, reason in declined)
-        if name == "cpu":  # the numba kernel, or jnp
-            why += f" ({cpu.describe(q, kv, kv)})"
         parts.append(f"{op} {name}{why}")
     return "attention: " + " | ".join(parts)

@@ -1,9 +1,8 @@
 """Paged attention for XLA:CPU: work proportional to the live tokens (no Pallas backend on CPU).
 
-Where it supports the case (float32 pools, numba importable) both ops run the numba kernel of
-kernels_pallas/ragged_cpu.py, called through XLA's FFI: 2-3x faster than XLA's own ops at SmolLM2 shapes (decode
-and mixed steps alike; benchmarks/README.md). Otherwise (a bfloat16 pool, no numba, or `NATIVE` off) the plain jnp
-path below runs, the rest of this docstring.
+The dispatcher's second choice on CPU: where the numba kernel of kernels_pallas/ragged_cpu.py supports the case
+(float32 pools, numba importable) it runs instead, 2-3x faster than this path at SmolLM2 shapes (decode and mixed
+steps alike; benchmarks/README.md). This path runs any dtype (a bfloat16 pool), and without numba.
 
 The reference gathers K/V once per *query token* (O(T * L) copies per layer for a prefill of T tokens over L keys)
 and decode reads the whole page-table width (`max_model_len`) of every row. Here the packed query tokens of a
@@ -27,25 +26,18 @@ rows with no keys give zeros).
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas import ragged_cpu
 from kernels_pallas.common import (
     NEG_INF,
-    UnsupportedCase,
     apply_soft_cap,
     cdiv,
     key_mask,
     online_softmax_step,
     safe_normalize,
 )
-
-_log = logging.getLogger(__name__)
 
 # Query tokens per block: a sequence's last block wastes up to block_q - 1 rows, a prefill chunk copies its pages
 # once per block_q tokens. 16 was fastest of 8/16/32 at SmolLM2 shapes (a T=256 mixed step; benchmarks/README); with
@@ -57,9 +49,6 @@ KV_CHUNK_TOKENS = 128  # fastest of 64/128/256/512 at SmolLM2 shapes (B=32 decod
 # Blocks per group on the ragged path (each group runs its own KV loop), at most this many groups.
 RAGGED_GROUP_BLOCKS = 8
 RAGGED_MAX_GROUPS = 8
-# Both ops through the numba kernel (kernels_pallas/ragged_cpu.py) where it supports the case (2-3x faster than the
-# jnp path below at SmolLM2 shapes, decode and mixed steps alike); False: always the jnp path.
-NATIVE = True
 # Decode: rows per group (each group runs its own KV loop, as far as its longest row), at most this many groups
 # (a bigger batch gets bigger groups), and keys per step of a group's loop.
 DECODE_GROUP_ROWS = 8
@@ -187,10 +176,6 @@ def ragged_paged_attention(
     query_start_loc = query_start_loc.astype(jnp.int32)
     page_table = page_table.astype(jnp.int32)
     opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if _native(q, k_pages, v_pages):
-        out = ragged_cpu.ragged_paged_attention(q, k_pages, v_pages, page_table, context_lens, query_start_loc,
-                                                num_seqs, **opts)  # fmt: skip
-        return out.astype(q.dtype)
 
     live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs
     seq_q_len = jnp.clip(jnp.where(live, query_start_loc[1:] - query_start_loc[:-1], 0), 0, num_tokens)
@@ -239,34 +224,6 @@ def ragged_paged_attention(
     result = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
     result = result.at[tok.reshape(-1)].set(out, mode="drop", unique_indices=True)
     return result.at[jnp.where(one, one_tok, num_tokens)].set(one_out.astype(q.dtype), mode="drop")
-
-
-@functools.cache
-def _warn_no_kernel(reason: str) -> None:
-    _log.warning("CPU attention: the numba kernel is unavailable (%s); using the slower jnp path", reason)
-
-
-def native_declined(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> str | None:
-    """Why this path does not run the numba kernel for these shapes (None: it does)."""
-    if not NATIVE:
-        return "off (kernels_pallas.cpu.NATIVE)"
-    try:
-        ragged_cpu.check_supported(q, k_pages, v_pages)
-    except UnsupportedCase as e:
-        return str(e)
-    return None
-
-
-def describe(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> str:
-    """What runs, for the start-up summary."""
-    declined = native_declined(q, k_pages, v_pages)
-    return "numba kernel" if declined is None else f"jnp; numba kernel declined: {declined}"
-
-
-def _native(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> bool:
-    if NATIVE and ragged_cpu.unavailable() is not None:
-        _warn_no_kernel(ragged_cpu.unavailable())
-    return native_declined(q, k_pages, v_pages) is None
 
 
 def _decode_group(
@@ -398,12 +355,7 @@ def paged_decode_attention(
     sliding_window: int = 0,
     soft_cap: float | None = None,
 ) -> jax.Array:  # f[B, Hq, D], zeros for rows with length 0
-    """One query token per row: the numba kernel, or rows grouped by length, K/V read in place (see the module
-    docstring)."""
-    if _native(q, k_pages, v_pages):
-        out = ragged_cpu.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale=scale,
-                                                sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
-        return out.astype(q.dtype)
+    """One query token per row: rows grouped by length, K/V read in place (see the module docstring)."""
     out = _decode_rows(q, k_pages, v_pages, page_table, lengths, scale=scale, sliding_window=sliding_window,
                        soft_cap=soft_cap)  # fmt: skip
     return out.astype(q.dtype)

@@ -7,7 +7,9 @@ static options, so the choice is made at trace time and is safe inside ``jax.jit
 impl:
   None          -> by ``jax.default_backend()``: "gpu" -> "pallas_gpu", "tpu" -> "pallas_tpu", "cpu" -> "cpu",
                    else "reference"
-  "cpu"         -> the blocked jnp path for XLA:CPU (kernels_pallas/cpu.py), then reference
+  "cpu"         -> the numba kernel through XLA's FFI (kernels_pallas/ragged_cpu.py; float32 pools), then the
+                   blocked jnp path for XLA:CPU (kernels_pallas/cpu.py), then reference
+  "cpu_jnp"     -> the blocked jnp path alone, then reference (to compare against the kernel)
   "pallas_gpu"  -> Triton Pallas kernel, then reference
   "pallas_tpu"  -> Mosaic TPU Pallas kernel, then reference
   "interpret"   -> the Pallas kernels in interpret mode (GPU-style first, then TPU-style), then reference
@@ -25,12 +27,12 @@ from typing import Any
 
 import jax
 
-from kernels_pallas import cpu, decode_gpu, decode_tpu, ragged_gpu, ragged_tpu, reference
+from kernels_pallas import cpu, decode_gpu, decode_tpu, ragged_cpu, ragged_gpu, ragged_tpu, reference
 from kernels_pallas.common import UnsupportedCase
 
 _log = logging.getLogger(__name__)
 
-IMPLS = ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu", "cpu", "reference")
+IMPLS = ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu", "cpu", "cpu_jnp", "reference")
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,14 @@ def _ragged_tpu(interpret: bool) -> _Candidate:
     return _Candidate("pallas_tpu_interpret" if interpret else "pallas_tpu", ragged_tpu.check_supported, run)
 
 
-_DECODE_CPU = _Candidate("cpu", _no_check, cpu.paged_decode_attention)
-_RAGGED_CPU = _Candidate("cpu", _no_check, cpu.ragged_paged_attention)
+def _cpu_numba_check(q, k_pages, v_pages, page_table=None):
+    ragged_cpu.check_supported(q, k_pages, v_pages)
+
+
+_DECODE_CPU_NUMBA = _Candidate("cpu_numba", _cpu_numba_check, ragged_cpu.paged_decode_attention)
+_RAGGED_CPU_NUMBA = _Candidate("cpu_numba", _cpu_numba_check, ragged_cpu.ragged_paged_attention)
+_DECODE_CPU_JNP = _Candidate("cpu_jnp", _no_check, cpu.paged_decode_attention)
+_RAGGED_CPU_JNP = _Candidate("cpu_jnp", _no_check, cpu.ragged_paged_attention)
 _DECODE_REF = _Candidate("reference", _no_check, reference.paged_decode_attention)
 _RAGGED_REF = _Candidate("reference", _no_check, reference.ragged_paged_attention)
 
@@ -121,7 +129,8 @@ def decode_candidates(impl: str | None = None) -> list[_Candidate]:
         "pallas_tpu": [_decode_tpu(False)],
         "interpret": [_decode_gpu(True), _decode_tpu(True)],
         "interpret_tpu": [_decode_tpu(True)],
-        "cpu": [_DECODE_CPU],
+        "cpu": [_DECODE_CPU_NUMBA, _DECODE_CPU_JNP],
+        "cpu_jnp": [_DECODE_CPU_JNP],
         "reference": [],
     }[impl]
     return [*kernels, _DECODE_REF]
@@ -134,7 +143,8 @@ def ragged_candidates(impl: str | None = None) -> list[_Candidate]:
         "pallas_tpu": [_ragged_tpu(False)],
         "interpret": [_ragged_gpu(True), _ragged_tpu(True)],
         "interpret_tpu": [_ragged_tpu(True)],
-        "cpu": [_RAGGED_CPU],
+        "cpu": [_RAGGED_CPU_NUMBA, _RAGGED_CPU_JNP],
+        "cpu_jnp": [_RAGGED_CPU_JNP],
         "reference": [],
     }[impl]
     return [*kernels, _RAGGED_REF]

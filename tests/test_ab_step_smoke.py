@@ -18,7 +18,7 @@ from kernels_pallas import cpu, ragged_cpu
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the cpu.* variant tunes the CPU attention")
 def test_paired_run_writes_a_row_per_variant(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
-    variants = "default,no_attention+argmax_sampler,cpu.DECODE_KV_CHUNK_TOKENS=32"
+    variants = "default,no_attention+argmax_sampler,impl=cpu_jnp+cpu.DECODE_KV_CHUNK_TOKENS=32"
     argv = ["--shape", "tiny", "--batch", "2", "--context", "16-24", "--rounds", "2", "--variants", variants,
             "--out", str(out)]  # fmt: skip
     assert ab_step.main(argv) == 0
@@ -42,7 +42,7 @@ def test_patches_are_undone_and_unknown_parts_refused() -> None:
         pass
     with pytest.raises(AttributeError), ab_step.patched(["cpu.NO_SUCH_CONSTANT=1"]):
         pass
-    with pytest.raises(ValueError, match="0 or 1"), ab_step.patched(["cpu.NATIVE=no"]):
+    with pytest.raises(ValueError, match="cpu_jnp"), ab_step.patched(["impl=no_such_impl"]):
         pass
 
 
@@ -50,12 +50,12 @@ def test_each_variant_compiles_its_own_program() -> None:
     # jax caches traces per Python function: a variant must not get the engine's own trace back unchanged.
     engine, kw = ab_step.recorded_step("scan", 2, 24, "tiny")
     text = {v: ab_step.compiled_variant(engine, kw, v.split("+"))[1].as_text()
-            for v in ("default", "argmax_sampler", "no_attention+no_kv_write", "cpu.NATIVE=0")}  # fmt: skip
+            for v in ("default", "argmax_sampler", "no_attention+no_kv_write", "impl=cpu_jnp")}  # fmt: skip
     assert "TopK" in text["default"] and "TopK" not in text["argmax_sampler"]  # the sampler's top-k/top-p
     assert text["default"].count("scatter(") > text["no_attention+no_kv_write"].count("scatter(")  # the K/V write
     assert text["default"].count(" dot(") > text["no_attention+no_kv_write"].count(" dot(")  # attention's dots
     if jax.default_backend() == "cpu":  # the numba attention kernel, or the jnp loops in its place
-        assert ragged_cpu.TARGET in text["default"] and ragged_cpu.TARGET not in text["cpu.NATIVE=0"]
+        assert ragged_cpu.TARGET in text["default"] and ragged_cpu.TARGET not in text["impl=cpu_jnp"]
 
 
 def test_context_range_is_seeded_and_checked() -> None:

@@ -100,9 +100,9 @@ def test_kv_cache_dtype_sets_the_pool_and_its_size(kv_cache_dtype, caplog):
     text = caplog.text
     assert f"backend {jax.default_backend()}" in text and "mesh none" in text
     assert f"KV cache dtype {expected.name}" in text
-    # The dispatcher's CPU path (kernels_pallas/cpu.py): the numba kernel for a float32 pool, else jnp.
-    rows = "numba kernel" if expected == jnp.float32 else "jnp; numba kernel declined: q is bfloat16"
-    assert f"attention: decode cpu ({rows}" in text and f"| mixed cpu ({rows}" in text
+    # On CPU the dispatcher runs the numba kernel for a float32 pool, else the jnp path and says why.
+    kind = "cpu_numba" if expected == jnp.float32 else "cpu_jnp; cpu_numba declined: q is bfloat16"
+    assert f"attention: decode {kind}" in text and f"| mixed {kind}" in text
 
 
 def test_kv_cache_dtype_follows_the_model_unless_set():

@@ -18,6 +18,7 @@ from paged_attention_cases import (
 )
 from test_paged_reference import DECODE_CASES, RAGGED_CASES, SEQS
 
+import kernels_pallas
 from kernels_pallas import cpu, reference
 
 STATIC = ("scale", "sliding_window", "soft_cap", "block_q")
@@ -29,17 +30,20 @@ def _oracle_close(out, expected, dtype):
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("native", [True, False])  # the numba kernel (f32 only), or the jnp path
+# "cpu": what the dispatcher runs on CPU (the numba kernel for f32 pools, the jnp path for bf16); "cpu_jnp": the jnp
+# path of kernels_pallas/cpu.py alone.
+IMPLS = ["cpu", "cpu_jnp"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype", DECODE_CASES)
-def test_cpu_decode_matches_oracle_and_reference(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
-                                                 native):  # fmt: skip
-    monkeypatch.setattr(cpu, "NATIVE", native)
+def test_cpu_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap, dtype, impl):
     lengths = [0, 1, 2 * page_size, 2 * page_size + 3, page_size - 1]
     case = make_decode_case(
         0, lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=page_size, dtype=dtype
     )
     opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
-    out = jax.jit(lambda *a: cpu.paged_decode_attention(*a, **opts))(*case.args())  # a fresh trace per patch
+    out = jax.jit(lambda *a: kernels_pallas.paged_decode_attention(*a, **opts, impl=impl))(*case.args())
     assert out.shape == case.q.shape and out.dtype == dtype
     _oracle_close(out, naive_decode(case, **opts), dtype)
     ref = jax.jit(reference.paged_decode_attention, static_argnames=STATIC[:3])(*case.args(), **opts)
@@ -54,8 +58,7 @@ def test_cpu_decode_row_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page
                                             group_rows, max_groups, max_row):  # fmt: skip
     """More rows than a group: rows sorted by length into groups (the last one padded), each group's KV loop over
     several chunks, as far as its own longest row (and from its first window chunk), and rows put back in order;
-    both layouts of a group's dots. (The jnp path: the numba kernel has no groups.)"""
-    monkeypatch.setattr(cpu, "NATIVE", False)
+    both layouts of a group's dots."""
     monkeypatch.setattr(cpu, "DECODE_GROUP_ROWS", group_rows)
     monkeypatch.setattr(cpu, "DECODE_MAX_GROUPS", max_groups)
     monkeypatch.setattr(cpu, "DECODE_BLOCK_DIAG_MAX_ROW", max_row)
@@ -72,20 +75,23 @@ def test_cpu_decode_row_groups_match_oracle(monkeypatch, head_dim, hq, hkv, page
     assert not np.any(np.asarray(out[0])) and not np.any(np.asarray(out[7])), "length-0 rows must be exactly zero"
 
 
-# Every case at block_q 4 (blocks that split a sequence, and sequences shorter than a block), the first also at
-# 1 (every token its own block) and 16 (one block per sequence here).
-BLOCKED = [(*c[:-1], 4) for c in RAGGED_CASES] + [(*RAGGED_CASES[0][:-1], b) for b in (1, 16)]
+# The jnp path at block_q 4 (blocks that split a sequence, and sequences shorter than a block), the first case also
+# at 1 (every token its own block) and 16 (one block per sequence here); the dispatcher's CPU choice at its own.
+BLOCKED = [(*c[:-1], 4, "cpu_jnp") for c in RAGGED_CASES] + [(*RAGGED_CASES[0][:-1], b, "cpu_jnp") for b in (1, 16)]
+DISPATCHED = [(*c[:-1], None, "cpu") for c in RAGGED_CASES]
 
 
-@pytest.mark.parametrize("native", [True, False])  # the numba kernel (f32 only), or the jnp path
-@pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype,block_q", BLOCKED)
-def test_cpu_ragged_matches_oracle_and_reference(monkeypatch, head_dim, hq, hkv, page_size, window, soft_cap, dtype,
-                                                 block_q, native):  # fmt: skip
-    monkeypatch.setattr(cpu, "NATIVE", native)
+@pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap,dtype,block_q,impl", BLOCKED + DISPATCHED)
+def test_cpu_ragged_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap, dtype, block_q,
+                                                 impl):  # fmt: skip
     case = make_ragged_case(1, SEQS, max_seqs=len(SEQS) + 2, pad_tokens=3, num_q_heads=hq, num_kv_heads=hkv,
                             head_dim=head_dim, page_size=page_size, dtype=dtype)  # fmt: skip
     opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
-    out = jax.jit(lambda *a: cpu.ragged_paged_attention(*a, **opts, block_q=block_q))(*case.args())  # fresh trace
+    if impl == "cpu":
+        attend = lambda *a: kernels_pallas.ragged_paged_attention(*a, **opts, impl="cpu")
+    else:
+        attend = lambda *a: cpu.ragged_paged_attention(*a, **opts, block_q=block_q)
+    out = jax.jit(attend)(*case.args())
     assert out.shape == case.q.shape and out.dtype == dtype
     _oracle_close(out, naive_ragged(case, **opts), dtype)
     ref = jax.jit(reference.ragged_paged_attention, static_argnames=STATIC[:3])(*case.args(), **opts)
@@ -99,7 +105,6 @@ def test_cpu_ragged_block_groups_match_oracle(monkeypatch, head_dim, hq, hkv, pa
     """Small groups: blocks in several groups (the last padded, some all dead), each group's KV loop over one-page
     chunks up to its own last token (from its first window chunk); the decode tokens over one-page chunks too (the
     jnp decode path)."""
-    monkeypatch.setattr(cpu, "NATIVE", False)
     monkeypatch.setattr(cpu, "RAGGED_GROUP_BLOCKS", 2)
     monkeypatch.setattr(cpu, "RAGGED_MAX_GROUPS", 3)
     monkeypatch.setattr(cpu, "KV_CHUNK_TOKENS", page_size)
@@ -121,7 +126,6 @@ def test_cpu_ragged_block_groups_match_oracle(monkeypatch, head_dim, hq, hkv, pa
 
 def test_cpu_ragged_long_prefix_streams_kv_chunks(monkeypatch):
     """A budget small enough that the KV loop takes several chunks (the online-softmax merge across chunks)."""
-    monkeypatch.setattr(cpu, "NATIVE", False)
     monkeypatch.setattr(cpu, "_GATHER_BUDGET", 1)
     seqs = [(7, 40), (1, 33), (20, 20)]
     case = make_ragged_case(4, seqs, max_seqs=4, pad_tokens=1, num_q_heads=4, num_kv_heads=2, head_dim=64,
@@ -131,11 +135,11 @@ def test_cpu_ragged_long_prefix_streams_kv_chunks(monkeypatch):
     _oracle_close(out, naive_ragged(case, **opts), jnp.float32)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_cpu_ragged_with_no_live_sequences_is_zero(monkeypatch, native):
-    monkeypatch.setattr(cpu, "NATIVE", native)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cpu_ragged_with_no_live_sequences_is_zero(impl):
     case = make_ragged_case(2, [(3, 5)], max_seqs=2, pad_tokens=2, num_q_heads=2, num_kv_heads=1, head_dim=64,
                             page_size=8)  # fmt: skip
     args = list(case.args())
     args[-1] = jnp.int32(0)
-    assert not np.any(np.asarray(jax.jit(lambda *a: cpu.ragged_paged_attention(*a, scale=0.125))(*args)))
+    attend = jax.jit(lambda *a: kernels_pallas.ragged_paged_attention(*a, scale=0.125, impl=impl))
+    assert not np.any(np.asarray(attend(*args)))

@@ -33,7 +33,8 @@ def _shapes(head_dim: int, page_size: int = 16, dtype=jnp.float32):
         ("pallas_tpu", "pallas_tpu", "pallas_tpu"),
         ("interpret", "pallas_gpu_interpret", "pallas_gpu_interpret"),
         ("interpret_tpu", "pallas_tpu_interpret", "pallas_tpu_interpret"),
-        ("cpu", "cpu", "cpu"),
+        *[("cpu", k, k) for k in ["cpu_numba" if jax.default_backend() == "cpu" else "cpu_jnp"]],  # numba: f32, CPU
+        ("cpu_jnp", "cpu_jnp", "cpu_jnp"),
         ("reference", "reference", "reference"),
     ],
 )
@@ -42,7 +43,7 @@ def test_supported_case_picks_the_kernel(impl, decode, ragged):
     assert kp.ragged_implementation(*_shapes(128), impl=impl) == ragged
 
 
-@pytest.mark.parametrize("impl", [i for i in kp.IMPLS if i != "cpu"])  # the CPU path is plain jnp: any shape
+@pytest.mark.parametrize("impl", [i for i in kp.IMPLS if not i.startswith("cpu")])  # the CPU paths take any head_dim
 def test_unsupported_head_dim_falls_through_to_reference(impl):
     # head_dim 80 is not a power of 2 (Triton tiles) nor lane aligned (Mosaic): every kernel declines.
     assert kp.decode_implementation(*_shapes(80), impl=impl) == "reference"
@@ -55,7 +56,7 @@ def test_interpret_falls_through_gpu_kernel_to_tpu_kernel():
 
 
 def test_default_impl_follows_backend():
-    expected = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "cpu"}.get(jax.default_backend(), "reference")
+    expected = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "cpu_numba"}.get(jax.default_backend(), "reference")
     assert kp.decode_implementation(*_shapes(128)) == expected
 
 

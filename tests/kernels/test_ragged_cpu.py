@@ -6,7 +6,6 @@ past a row's pages and garbage lengths and offsets past the live sequences."""
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
@@ -15,7 +14,8 @@ import numpy as np
 import pytest
 from paged_attention_cases import make_decode_case, make_ragged_case, naive_decode, naive_ragged
 
-from kernels_pallas import UnsupportedCase, cpu, numba_ffi, ragged_cpu, reference
+import kernels_pallas
+from kernels_pallas import UnsupportedCase, dispatch, numba_ffi, ragged_cpu, reference
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -129,34 +129,37 @@ def test_ragged_cpu_declines_what_it_does_not_run():
         ragged_cpu.check_supported(jnp.zeros((2, 3, 64)), jnp.zeros((8, 16, 2, 64)), jnp.zeros((8, 16, 2, 64)))
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_cpu_path_runs_the_kernel_for_both_ops(monkeypatch, native):
-    """The CPU path's decode and mixed steps call the FFI kernel (NATIVE), or the jnp loops without it; both give
-    the oracle's answer."""
-    monkeypatch.setattr(cpu, "NATIVE", native)
+@pytest.mark.parametrize("impl", ["cpu", "cpu_jnp"])
+def test_dispatcher_runs_the_kernel_for_both_ops_on_cpu(impl):
+    """On CPU the dispatcher's decode and mixed steps call the FFI kernel ("cpu"), or the jnp loops ("cpu_jnp"); both
+    give the oracle's answer."""
     opts = dict(scale=0.125, sliding_window=0, soft_cap=None)
     case = make_decode_case(5, [0, 3, 40, 17], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
-    fn = jax.jit(lambda *a: cpu.paged_decode_attention(*a, **opts))  # a fresh trace per patch
-    assert (ragged_cpu.TARGET in fn.lower(*case.args()).as_text()) == native
+    assert kernels_pallas.decode_implementation(*case.args()[:3], impl=impl) == ("cpu_numba" if impl == "cpu" else
+                                                                                  "cpu_jnp")  # fmt: skip
+    fn = jax.jit(lambda *a: kernels_pallas.paged_decode_attention(*a, **opts, impl=impl))
+    assert (ragged_cpu.TARGET in fn.lower(*case.args()).as_text()) == (impl == "cpu")
     np.testing.assert_allclose(np.asarray(fn(*case.args())), naive_decode(case, **opts), rtol=1e-5, atol=1e-5)
     mixed = make_ragged_case(5, MIXED, max_seqs=len(MIXED), pad_tokens=1, num_q_heads=9, num_kv_heads=3, head_dim=64,
                              page_size=16)  # fmt: skip
-    fn = jax.jit(lambda *a: cpu.ragged_paged_attention(*a, **opts))
-    assert (ragged_cpu.TARGET in fn.lower(*mixed.args()).as_text()) == native
+    fn = jax.jit(lambda *a: kernels_pallas.ragged_paged_attention(*a, **opts, impl=impl))
+    assert (ragged_cpu.TARGET in fn.lower(*mixed.args()).as_text()) == (impl == "cpu")
     np.testing.assert_allclose(np.asarray(fn(*mixed.args())), naive_ragged(mixed, **opts), rtol=1e-5, atol=1e-5)
 
 
-def test_without_the_kernel_the_cpu_path_warns_and_uses_jnp(monkeypatch, caplog):
-    """Where numba is missing or finds no thread-safe threading layer, the CPU path says so once and runs jnp."""
+def test_without_the_kernel_the_dispatcher_warns_once_and_uses_jnp(monkeypatch, caplog):
+    """Where numba is missing or finds no thread-safe threading layer, the dispatcher says so once and runs jnp."""
     monkeypatch.setattr(ragged_cpu, "unavailable", lambda: "numba is not installed")
-    monkeypatch.setattr(cpu, "_warn_no_kernel", functools.cache(cpu._warn_no_kernel.__wrapped__))
+    monkeypatch.setattr(dispatch, "_warned", set())
     case = make_decode_case(6, [3, 40], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     opts = dict(scale=0.125, sliding_window=0, soft_cap=None)
-    with caplog.at_level(logging.WARNING, logger="kernels_pallas.cpu"):
-        fn = jax.jit(lambda *a: cpu.paged_decode_attention(*a, **opts))
+    with caplog.at_level(logging.WARNING, logger="kernels_pallas.dispatch"):
+        fn = jax.jit(lambda *a: kernels_pallas.paged_decode_attention(*a, **opts, impl="cpu"))
         hlo = fn.lower(*case.args()).as_text()
+        jax.jit(lambda *a: kernels_pallas.paged_decode_attention(*a, **opts, impl="cpu")).lower(*case.args())
     assert ragged_cpu.TARGET not in hlo
-    assert "numba is not installed" in caplog.text
+    assert caplog.text.count("numba is not installed") == 1 and "cpu_numba declined" in caplog.text
+    assert kernels_pallas.decode_implementation(*case.args()[:3], impl="cpu") == "cpu_jnp"
     np.testing.assert_allclose(np.asarray(fn(*case.args())), naive_decode(case, **opts), rtol=1e-5, atol=1e-5)
     with pytest.raises(UnsupportedCase, match="numba is not installed"):
         ragged_cpu.paged_decode_attention(*case.args(), scale=0.125)
