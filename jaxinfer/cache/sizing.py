@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 
 # vLLM's CPU default is 4 GiB. 1.5 GiB keeps `LLM()` on the default model (SmolLM2-135M, fp32, 45 KiB of KV per
-# token) under 3 GiB of peak RSS (2 GiB measured 3.2 GiB) while still holding 34k tokens, far more than 32
-# sequences of the offline workload (16-256 prompt + 128 output tokens) need.
+# token) under 3 GiB of peak RSS (2 GiB measured 3.2 GiB) while still holding 34k tokens, more than the 64
+# sequences of the offline workload (16-256 prompt + 128 output tokens, 25k tokens at most) need.
 CPU_DEFAULT_BUDGET = 3 * 2**29
 # Extra pages beyond what the running sequences can address, so finished prompts stay in the prefix cache a while.
 PREFIX_CACHE_MARGIN = 0.25

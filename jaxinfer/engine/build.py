@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxinfer.cache.sizing import parse_bytes, parse_size
 from jaxinfer.device import check_device, resolve_kv_cache_dtype
-from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineArgs
+from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineArgs, batch_limits
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import enable_compilation_cache
@@ -73,14 +73,16 @@ def cache_config(args: EngineArgs, cfg) -> CacheConfig:
             f"max_model_len: {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
         )
     kv_dtype = args.kv_cache_dtype
+    max_num_seqs, max_num_batched_tokens = batch_limits(args.max_num_seqs, args.max_num_batched_tokens,
+                                                        jax.default_backend())  # fmt: skip
     return CacheConfig(
         block_size=args.block_size,
         num_pages=-(-args.num_kv_tokens // args.block_size) if args.num_kv_tokens else None,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=parse_bytes(args.kv_cache_memory),
         max_model_len=max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,
         kv_cache_dtype=None if kv_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_dtype, cfg.dtype),

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from jaxinfer.device import DEVICE_ENV, DEVICES, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, LAYER_LOOPS, EngineArgs
+from jaxinfer.engine.config import BATCH_DEFAULTS, DEFAULT_MAX_MODEL_LEN_CAP, LAYER_LOOPS, EngineArgs
 
 API_KEY_ENV = "JAXINFER_API_KEY"
 CHAT_TRUNCATION = ("off", "oldest")  # jaxinfer.server.truncation
@@ -66,6 +66,10 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 _positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
+def _per_backend(i: int) -> str:
+    return ", ".join(f"{backend} {limits[i]}" for backend, limits in BATCH_DEFAULTS.items())
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -111,9 +115,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=D.max_model_len,
         help=f"context length (default: the model's, capped at {DEFAULT_MAX_MODEL_LEN_CAP})",
     )
-    p.add_argument("--max-num-seqs", type=_positive_int, default=D.max_num_seqs, help="sequences decoded together")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=D.max_num_seqs,
+                   help=f"sequences decoded together (default per backend: {_per_backend(0)})")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=D.max_num_batched_tokens,
-                   help="token budget of one step")  # fmt: skip
+                   help=f"token budget of one step (default per backend: {_per_backend(1)})")  # fmt: skip
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,

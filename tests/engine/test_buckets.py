@@ -25,3 +25,37 @@ def test_every_batch_fits_a_bucket_and_the_limits_are_buckets(backend, max_seqs,
     assert b.seq_buckets[-1] == max_seqs and b.token_buckets[-1] == max_tokens
     assert list(b.seq_buckets) == sorted(set(b.seq_buckets))
     assert all(pick_bucket(n, b.seq_buckets) >= n for n in range(1, max_seqs + 1))
+
+
+@pytest.mark.parametrize(
+    "seqs,tokens,backend,expected",
+    [
+        (None, None, "cpu", (64, 512)),  # the CPU defaults
+        (None, None, "gpu", (32, 256)),
+        (None, None, "tpu", (32, 256)),
+        (None, None, "rocm-or-other", (32, 256)),  # an unknown backend: the GPU row
+        (8, None, "cpu", (8, 512)),  # a given value wins, the other stays the backend's
+        (None, 128, "cpu", (64, 128)),
+        (1024, None, "gpu", (1024, 1024)),  # every decode needs a token slot: the budget grows to max_num_seqs
+        (4, 16, "gpu", (4, 16)),
+    ],
+)
+def test_batch_limits_default_per_backend(seqs, tokens, backend, expected):
+    from jaxinfer.engine.config import batch_limits
+
+    assert batch_limits(seqs, tokens, backend) == expected
+
+
+def test_plain_engine_args_take_the_backends_batch_limits():
+    import jax
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.build import cache_config
+    from jaxinfer.engine.config import BATCH_DEFAULTS, EngineArgs
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16)  # fmt: skip
+    cc = cache_config(EngineArgs(), cfg)
+    assert (cc.max_num_seqs, cc.max_num_batched_tokens) == BATCH_DEFAULTS[jax.default_backend()]
+    cc = cache_config(EngineArgs(max_num_seqs=3, max_num_batched_tokens=40), cfg)
+    assert (cc.max_num_seqs, cc.max_num_batched_tokens) == (3, 40)
