@@ -102,12 +102,8 @@ def _ragged_tpu(interpret: bool) -> _Candidate:
     return _Candidate("pallas_tpu_interpret" if interpret else "pallas_tpu", ragged_tpu.check_supported, run)
 
 
-def _cpu_numba_check(q, k_pages, v_pages, page_table=None):
-    ragged_cpu.check_supported(q, k_pages, v_pages)
-
-
-_DECODE_CPU_NUMBA = _Candidate("cpu_numba", _cpu_numba_check, ragged_cpu.paged_decode_attention)
-_RAGGED_CPU_NUMBA = _Candidate("cpu_numba", _cpu_numba_check, ragged_cpu.ragged_paged_attention)
+_DECODE_CPU_NUMBA = _Candidate("cpu_numba", ragged_cpu.check_supported, ragged_cpu.paged_decode_attention)
+_RAGGED_CPU_NUMBA = _Candidate("cpu_numba", ragged_cpu.check_supported, ragged_cpu.ragged_paged_attention)
 _DECODE_CPU_JNP = _Candidate("cpu_jnp", _no_check, cpu.paged_decode_attention)
 _RAGGED_CPU_JNP = _Candidate("cpu_jnp", _no_check, cpu.ragged_paged_attention)
 _DECODE_REF = _Candidate("reference", _no_check, reference.paged_decode_attention)
