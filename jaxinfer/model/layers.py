@@ -7,6 +7,7 @@ axes, placement happens once, when the weights are loaded onto a mesh.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -58,6 +59,29 @@ class Embed(nnx.Module):
         return x
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerSelect:
+    """One layer's kernel inside a loop over layers: per-layer arrays and the traced layer index.
+
+    A loop over stacked weights slices each layer's kernel out of the stack, and XLA:CPU copies a dynamic slice
+    before a matmul reads it (unrolled layers ran a batch-1 decode step 1.16x faster, benchmarks/README.md). A
+    `lax.switch` over the layers' own arrays runs each matmul on the parameter buffer itself. `Einsum` takes one
+    in place of an array (`jaxinfer.model.scanned` builds them)."""
+
+    arrays: tuple[jax.Array, ...]
+    index: jax.Array  # i32[]
+
+    def __getitem__(self, key):
+        if key is not Ellipsis:
+            raise TypeError("a LayerSelect is read whole ([...]) by Einsum")
+        return self  # what `Param[...]` hands to Einsum
+
+    def einsum(self, equation: str, x: jax.Array) -> jax.Array:
+        branches = [lambda x, w=w: jnp.einsum(equation, x, w) for w in self.arrays]
+        return jax.lax.switch(self.index, branches, x)
+
+
 class Einsum(nnx.Module):
     """A projection as one einsum (heads kept as their own axis), with an optional bias over its output axes."""
 
@@ -77,7 +101,8 @@ class Einsum(nnx.Module):
         self.bias = param(rngs, nnx.initializers.normal(std), *bias, dtype) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum(self.equation, x, self.kernel[...])
+        w = self.kernel[...]
+        y = w.einsum(self.equation, x) if isinstance(w, LayerSelect) else jnp.einsum(self.equation, x, w)
         return y if self.bias is None else y + self.bias[...]
 
 

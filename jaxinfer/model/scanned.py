@@ -7,6 +7,14 @@ serialized executable (benchmarks/README.md, layer loop), which is what a warm s
 scan over stacked weights ran 3.2x slower (the weight slice is copied before each matmul), so the runner picks the
 loop per backend (`jaxinfer.engine.runner.choose_layer_loop`).
 
+The MLP kernels (three quarters of a block's weights) are not stacked: each stays its layer's own array, and the
+loop body reads it through a `lax.switch` on the layer index (`jaxinfer.model.layers.LayerSelect`). Sliced out of a
+stack, XLA:CPU copies a kernel before its matmul, every layer of every step: unrolled layers ran a batch-1 decode
+step 1.16x faster than the stacked scan, and this scan runs it as fast as unrolled (benchmarks/README.md). The
+attention projections stay stacked: switching over them too gained nothing measurable and doubled the matmuls a
+serialized step holds (a warm start loaded its 40 steps in 4.5-5.0 s instead of 2.3-2.4 s). Norm scales and
+biases are small and stay stacked.
+
 The KV cache is one object for all layers, carried through the loop: `attend` receives the layer index as a
 traced int32 and the whole cache, and returns the whole cache (the engine writes the layer's K/V in place into
 pools stacked over layers). Only families whose layers all have the same attention (window, RoPE table) scan:
@@ -22,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
-from jaxinfer.model.layers import rope_tables
+from jaxinfer.model.layers import LayerSelect, rope_tables
 from jaxinfer.model.transformer import AttentionFn, Transformer
 
 
@@ -35,20 +43,30 @@ def scan_unsupported(cfg: ModelConfig) -> str | None:
     return None
 
 
+def _per_layer(path: tuple) -> bool:
+    """Block parameters kept as one array per layer and read in place: the MLP kernels (module docstring)."""
+    return path[-1] == "kernel" and path[0] == "mlp"
+
+
 class ScannedTransformer(nnx.Module):
-    """A `Transformer` whose blocks are one `Block` holding stacked parameters f[L, ...]. Same weights, same
-    outputs; `__call__` takes the KV cache of all layers as one object (see the module docstring)."""
+    """A `Transformer` whose blocks are one `Block`: its parameters stacked f[L, ...], except the MLP kernels, each
+    a tuple of the L layers' arrays. Same weights, same outputs; `__call__` takes the KV cache of all layers as one
+    object (see the module docstring)."""
 
     def __init__(self, model: Transformer):
-        """Stacks `model`'s block parameters (copies: the per-layer arrays are freed once the caller drops them)."""
+        """Stacks `model`'s block parameters (copies, freed with the caller's model), except the MLP kernels (kept)."""
         reason = scan_unsupported(model.config)
         if reason is not None:
             raise ValueError(f"layer_loop='scan': this model cannot scan its layers: {reason}")
         self.config = model.config
         self.embedder, self.final_norm, self.lm_head = model.embedder, model.final_norm, model.lm_head
         graphdef = nnx.graphdef(model.layers[0])
-        states = [nnx.state(block) for block in model.layers]
-        self.layers = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+        flat = []
+        for entries in zip(*(nnx.to_flat_state(nnx.state(block)) for block in model.layers), strict=True):
+            path, first = entries[0]
+            values = tuple(v.get_value() for _, v in entries)
+            flat.append((path, first.replace(values if _per_layer(path) else jnp.stack(values))))
+        self.layers = nnx.merge(graphdef, nnx.from_flat_state(flat))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: Any, attend: AttentionFn):
         """tokens, positions i32[B, T]; `attend(layer i32[], q, k, v, kv_cache) -> (out, kv_cache)`.
@@ -58,12 +76,17 @@ class ScannedTransformer(nnx.Module):
         table = rope_tables(cfg.rope_local if cfg.layer_windows[0] and cfg.rope_local else cfg.rope, cfg.head_dim,
                             positions)  # fmt: skip
         ropes = {"global": table, "local": table}  # every layer uses the same one (scan_unsupported)
-        graphdef, stacked = nnx.split(self.layers)
+        graphdef, state = nnx.split(self.layers)
+        flat = list(nnx.to_flat_state(state))
+        stacked = nnx.from_flat_state([(path, v) for path, v in flat if not _per_layer(path)])
+        kernels = [(path, v) for path, v in flat if _per_layer(path)]
 
         def body(carry: tuple, layer_state: nnx.State) -> tuple[tuple, None]:
             x, cache, i = carry
             # The block's own index is layer 0's (its graphdef): attend gets the traced one instead.
             at_layer = lambda _, q, k, v, c: attend(i, q, k, v, c)  # noqa: E731
+            picked = [(path, v.replace(LayerSelect(v.get_value(), i))) for path, v in kernels]
+            layer_state = nnx.from_flat_state(list(nnx.to_flat_state(layer_state)) + picked)
             x, cache = nnx.merge(graphdef, layer_state)(x, ropes, at_layer, cache)
             return (x, cache, i + 1), None
 
@@ -73,9 +96,10 @@ class ScannedTransformer(nnx.Module):
     logits = Transformer.logits
 
     def unstacked_state(self) -> nnx.State:
-        """The weights in the family's own layout (`Transformer`'s state; the layer slices are copies), for the
-        reference paths that run the unrolled model on a contiguous cache."""
+        """The weights in the family's own layout (`Transformer`'s state; the stacked parameters' slices are
+        copies), for the reference paths that run the unrolled model on a contiguous cache."""
         flat = [(path, v) for path, v in nnx.to_flat_state(nnx.state(self)) if path[0] != "layers"]
         for path, v in nnx.to_flat_state(nnx.state(self.layers)):
-            flat += [(("layers", i, *path), v.replace(v[...][i])) for i in range(self.config.num_layers)]
+            value = v.get_value()  # a tuple of per-layer kernels, or a stacked array
+            flat += [(("layers", i, *path), v.replace(value[i])) for i in range(self.config.num_layers)]
         return nnx.from_flat_state(flat)

@@ -4,6 +4,8 @@ generator on the real SmolLM2 weights; here the two loops are compared with each
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -151,3 +153,27 @@ def test_step_updates_the_pools_in_place(loop, decode_only, t, s):
                            layout=layout, decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs,
                            ).compile().as_text()  # fmt: skip
     assert not copies_of(hlo, r.kv[0][0].size), "the step copies a KV pool"
+
+
+@pytest.mark.parametrize("decode_only, t, s", [(True, 1, 1), (False, 16, 4)])
+def test_scanned_step_reads_the_kernels_in_place(decode_only, t, s):
+    """The scan's MLP matmuls read each layer's kernel where it lives: no dynamic slice of an MLP kernel in the
+    compiled step (sliced out of a stack, XLA:CPU copied each before its matmul, every layer of every step). An
+    intermediate size of 72 gives the MLP kernels an element count nothing else in the step has."""
+    eng = _engine("scan", num_pages=41, intermediate_size=72)
+    r, cc = eng.runner, eng.runner.cc
+    inp = pack([], t, s, cc.pages_per_seq, cc.block_size)
+    st = build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, False)
+    flat, layout = to_flat((inp, st))
+    hlo = paged_step.lower(model_def=r.model_def, weights=r.weights, cfg=r.cfg, kv=r.kv, feed=r.feed, flat=flat,
+                           layout=layout, decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs,
+                           ).compile().as_text()  # fmt: skip
+    kernel_sizes = {32 * 72}  # gate, up and down
+    slices = []
+    for ln in hlo.splitlines():
+        m = re.match(r"\s*(ROOT )?%(\S+) = f32\[([\d,]+)\]\S* (\S+)\(", ln)
+        if m and ("dynamic-slice" in m.group(2) or m.group(4) == "dynamic-slice"):
+            if int(np.prod([int(n) for n in m.group(3).split(",")])) in kernel_sizes:
+                slices.append(ln.strip()[:160])
+    assert not slices, "the step slices kernels out of a stack:\n" + "\n".join(slices)
+    assert 32 * 72 in {w.size for w in r.weights}  # the MLP kernels are the step's weights, one array per layer
