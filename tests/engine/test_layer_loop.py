@@ -32,6 +32,17 @@ def _engine(loop: str, num_pages: int = 40, **cfg_changes) -> Engine:
     return Engine(cfg, init_params(cfg, seed=3, std=0.3), cc)
 
 
+def _compiled_step(eng: Engine, decode_only: bool, t: int, s: int) -> str:
+    """The optimized HLO of the engine's step for a bucket of t tokens and s sequences."""
+    r, cc = eng.runner, eng.runner.cc
+    inp = pack([], t, s, cc.pages_per_seq, cc.block_size)
+    st = build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, False)
+    flat, layout = to_flat((inp, st))
+    return paged_step.lower(model_def=r.model_def, weights=r.weights, cfg=r.cfg, kv=r.kv, feed=r.feed, flat=flat,
+                            layout=layout, decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs,
+                            ).compile().as_text()  # fmt: skip
+
+
 def _work() -> tuple[list[list[int]], list[SamplingParams]]:
     rng = np.random.default_rng(0)
     shared = rng.integers(1, 128, 9).tolist()  # a common prefix: prefix-cache hits on full pages
@@ -145,14 +156,8 @@ def test_step_updates_the_pools_in_place(loop, decode_only, t, s):
     (A one-row write, which XLA turns into a dynamic-update-slice, copied whole pools every layer in both loops
     before the runner padded it to two rows.) 41 pages: no gathered block has a pool's element count by chance."""
     eng = _engine(loop, num_pages=41)
-    r, cc = eng.runner, eng.runner.cc
-    inp = pack([], t, s, cc.pages_per_seq, cc.block_size)
-    st = build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, False)
-    flat, layout = to_flat((inp, st))
-    hlo = paged_step.lower(model_def=r.model_def, weights=r.weights, cfg=r.cfg, kv=r.kv, feed=r.feed, flat=flat,
-                           layout=layout, decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs,
-                           ).compile().as_text()  # fmt: skip
-    assert not copies_of(hlo, r.kv[0][0].size), "the step copies a KV pool"
+    hlo = _compiled_step(eng, decode_only, t, s)
+    assert not copies_of(hlo, eng.runner.kv[0][0].size), "the step copies a KV pool"
 
 
 @pytest.mark.parametrize("decode_only, t, s", [(True, 1, 1), (False, 16, 4)])
@@ -161,13 +166,7 @@ def test_scanned_step_reads_the_kernels_in_place(decode_only, t, s):
     compiled step (sliced out of a stack, XLA:CPU copied each before its matmul, every layer of every step). An
     intermediate size of 72 gives the MLP kernels an element count nothing else in the step has."""
     eng = _engine("scan", num_pages=41, intermediate_size=72)
-    r, cc = eng.runner, eng.runner.cc
-    inp = pack([], t, s, cc.pages_per_seq, cc.block_size)
-    st = build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, False)
-    flat, layout = to_flat((inp, st))
-    hlo = paged_step.lower(model_def=r.model_def, weights=r.weights, cfg=r.cfg, kv=r.kv, feed=r.feed, flat=flat,
-                           layout=layout, decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs,
-                           ).compile().as_text()  # fmt: skip
+    hlo = _compiled_step(eng, decode_only, t, s)
     kernel_sizes = {32 * 72}  # gate, up and down
     slices = []
     for ln in hlo.splitlines():
@@ -176,4 +175,4 @@ def test_scanned_step_reads_the_kernels_in_place(decode_only, t, s):
             if int(np.prod([int(n) for n in m.group(3).split(",")])) in kernel_sizes:
                 slices.append(ln.strip()[:160])
     assert not slices, "the step slices kernels out of a stack:\n" + "\n".join(slices)
-    assert 32 * 72 in {w.size for w in r.weights}  # the MLP kernels are the step's weights, one array per layer
+    assert 32 * 72 in {w.size for w in eng.runner.weights}  # the MLP kernels: the step's weights, one per layer
