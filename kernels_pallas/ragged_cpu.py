@@ -3,13 +3,18 @@
 On XLA:CPU the jnp path (kernels_pallas/cpu.py) is bound by XLA's op-level code for small shapes: its batched
 [rows x D] by [D x keys] dots run at a tenth of the cores' peak and each page gather is a copy (decode attention
 was about half of a batch-32 SmolLM2 decode step; benchmarks/README.md). This kernel walks each sequence's pages in
-place. Work items are (sequence, block of up to `BLOCK_Q` query tokens, KV head), a decode being one token; an
-item's query rows (tokens x the KV head's query heads) go over the keys four at a time, so a key loaded once feeds
-four dot products, then each row's softmax over its own keys (causal, sliding window, soft-cap) and one pass over
-V. Work and memory traffic follow the live tokens, and nothing is copied.
+place. A decode token (or a prefill chunk's last token alone) is one work item with all its KV heads: one pass
+over its pages in order, each page's K rows then its V rows (those of consecutive heads are one contiguous block),
+under an online softmax (running max and sum per row); a whole page's P.V is a loop over the head dim with the
+page's keys unrolled inside. With fewer decodes than two per thread, a decode's KV heads are items of their own.
+A prefill block of up to `BLOCK_Q` query tokens is an item per KV head: its query rows (tokens x the KV head's
+query heads) go over the keys four at a time, so a key loaded once feeds four dot products, then each row's exact
+two-pass softmax over its own keys (causal, sliding window, soft-cap; the scores fit in a few MB) and one pass
+over V. Work and memory traffic follow the live tokens, and nothing is copied.
 
-Exact two-pass softmax per row (an item's scores fit in a few MB). Items are independent, so a sequence's result
-does not depend on the batch it is in. Float32 pools only (the CPU default); other dtypes take the jnp path.
+Items are independent and a row's arithmetic does not depend on which item or thread computes it, so a
+sequence's result does not depend on the batch it is in. Float32 pools only (the CPU default); other dtypes take
+the jnp path.
 Same contracts as `kernels_pallas.reference` (table entries past a row's keys are never read, padding tokens and
 rows with no keys give zeros).
 """

@@ -21,6 +21,8 @@ answer_non_execute, buffer, data, dim, null = _h.answer_non_execute, _h.buffer, 
 # products (and accumulators). Rows past the item's last repeat it (computed, not stored). Four independent
 # accumulators in the inner loops ran 1.3-1.8x faster than a loop over a [rows, D] accumulator.
 _ROWS_PER_PASS = 4
+# Keys per block of a decode token's P.V product (a whole page of this many keys takes the unrolled loop).
+_KEY_BLOCK = 16
 # Query tokens per work item of a prefill chunk: its rows share each pass over the keys (read from cache), and the
 # items of a long chunk spread over the threads.
 BLOCK_Q = 16
@@ -134,6 +136,117 @@ def _attend_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores
             out[r] = acc[r - r0]
 
 
+@njit(fastmath=True, inline="always")
+def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim):
+    """One decode token's query rows for KV heads h0, h0 + 1, ...: q f32[rows, head_dim] (scaled; each KV head's
+    `group` rows together), the token at position pos -> out f32[rows, head_dim].
+
+    One pass over the pages in order, each page's K rows then its V rows for all these heads (a page's K or V rows
+    of consecutive heads are one contiguous block, read once), with an online softmax: a running max and sum per
+    row (run_max, run_sum), acc rescaled when the max grows. s f32[>= rows + 4, page_size] and acc f32[>= rows + 4,
+    head_dim] are scratch; the rows past `rows` take a pass's padding rows. head_dim is a constant where the caller
+    can make it one (the loops over it then unroll)."""
+    rows = q.shape[0]
+    num_pages, page_size = k.shape[0], k.shape[1]
+    last = min(pos, table.shape[0] * page_size - 1)  # keys past the table do not exist
+    first = max(pos - window + 1, 0) if window > 0 else 0
+    if last < first or pos < 0:
+        out[:, :] = 0.0
+        return
+    acc[:rows, :] = 0.0
+    for r in range(rows):
+        run_max[r] = np.float32(-3.0e38)
+        run_sum[r] = 0.0
+    pad = rows  # scratch rows for a pass's padding rows
+    for pi in range(first // page_size, last // page_size + 1):
+        page = min(max(table[pi], 0), num_pages - 1)  # a bad table entry must not read outside the pool
+        j0, j1 = max(first - pi * page_size, 0), min(page_size, last + 1 - pi * page_size)
+        n = j1 - j0
+        for j in range(j0, j1):
+            jj = j - j0
+            for hh in range(rows // group):
+                key = k[page, j, h0 + hh]
+                end = (hh + 1) * group
+                for r0 in range(hh * group, end, _ROWS_PER_PASS):
+                    q0, q1, q2, q3 = q[r0], q[min(r0 + 1, end - 1)], q[min(r0 + 2, end - 1)], q[min(r0 + 3, end - 1)]
+                    a0 = a1 = a2 = a3 = np.float32(0.0)
+                    for d in range(head_dim):
+                        kd = key[d]
+                        a0 += q0[d] * kd
+                        a1 += q1[d] * kd
+                        a2 += q2[d] * kd
+                        a3 += q3[d] * kd
+                    s[r0, jj] = a0
+                    s[r0 + 1 if r0 + 1 < end else pad, jj] = a1
+                    s[r0 + 2 if r0 + 2 < end else pad + 1, jj] = a2
+                    s[r0 + 3 if r0 + 3 < end else pad + 2, jj] = a3
+        for r in range(rows):
+            row = s[r]
+            if cap > 0:
+                for jj in range(n):
+                    row[jj] = cap * np.tanh(row[jj] / cap)
+            top = row[0]
+            for jj in range(1, n):
+                top = max(top, row[jj])
+            new_max = max(run_max[r], top)
+            total = np.float32(0.0)
+            for jj in range(n):
+                e = _exp(row[jj] - new_max)
+                row[jj] = e
+                total += e
+            if new_max > run_max[r] and run_sum[r] > 0:
+                corr = _exp(run_max[r] - new_max)
+                run_sum[r] *= corr
+                ar = acc[r]
+                for d in range(head_dim):
+                    ar[d] *= corr
+            run_sum[r] += total
+            run_max[r] = new_max
+        for r in range(rows, rows + _ROWS_PER_PASS):  # padding rows: no weight
+            for jj in range(n):
+                s[r, jj] = 0.0
+        if n == _KEY_BLOCK and page_size == _KEY_BLOCK:
+            # A whole page: per row, a loop over the head dim with the page's keys unrolled inside, one store per
+            # output vector (a loop over keys would load and store every accumulator at every key).
+            for r in range(rows):
+                h, w, ar = h0 + r // group, s[r], acc[r]
+                for d in range(head_dim):
+                    x = np.float32(0.0)
+                    for j in range(_KEY_BLOCK):
+                        x += w[j] * v[page, j, h, d]
+                    ar[d] += x
+        else:
+            for j in range(j0, j1):
+                jj = j - j0
+                for hh in range(rows // group):
+                    val = v[page, j, h0 + hh]
+                    end = (hh + 1) * group
+                    for r0 in range(hh * group, end, _ROWS_PER_PASS):
+                        r1 = r0 + 1 if r0 + 1 < end else pad + 1
+                        r2 = r0 + 2 if r0 + 2 < end else pad + 2
+                        r3 = r0 + 3 if r0 + 3 < end else pad + 3
+                        w0, w1, w2, w3 = s[r0, jj], s[r1, jj], s[r2, jj], s[r3, jj]
+                        c0, c1, c2, c3 = acc[r0], acc[r1], acc[r2], acc[r3]
+                        for d in range(head_dim):
+                            vd = val[d]
+                            c0[d] += w0 * vd
+                            c1[d] += w1 * vd
+                            c2[d] += w2 * vd
+                            c3[d] += w3 * vd
+    for r in range(rows):
+        inv = np.float32(1.0) / run_sum[r]
+        for d in range(head_dim):
+            out[r, d] = acc[r, d] * inv
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum):
+    if q.shape[1] == 64:  # SmolLM2 and most small models: the head-dim loops unroll
+        _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, 64)
+    else:
+        _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, q.shape[1])
+
+
 @njit(fastmath=True, nogil=True, cache=True, parallel=True)
 def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale, window, cap, threads):
     """q f32[T, Hq, D] packed query tokens -> out f32[T, Hq, D]; tokens of no sequence get zeros."""
@@ -142,63 +255,103 @@ def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale,
     group = num_q_heads // num_kv_heads
     keys = table.shape[1] * k.shape[1]
     num_seqs = min(max(num_seqs, 0), table.shape[0])
-    # Work items: (sequence, query block, KV head), a decode row being one block of one token. Per block: its
+    # Query blocks: (sequence, up to BLOCK_Q query tokens), a decode row being a block of one token. Per block: its
     # sequence, first token, tokens, and the first token's position (the sequence's new tokens end its context).
-    item_seq = np.empty(num_tokens + num_seqs, np.int64)
-    item_start = np.empty(num_tokens + num_seqs, np.int64)
-    item_len = np.empty(num_tokens + num_seqs, np.int64)
-    item_pos = np.empty(num_tokens + num_seqs, np.int64)
+    blk_seq = np.empty(num_tokens + num_seqs, np.int64)
+    blk_start = np.empty(num_tokens + num_seqs, np.int64)
+    blk_len = np.empty(num_tokens + num_seqs, np.int64)
+    blk_pos = np.empty(num_tokens + num_seqs, np.int64)
     n = 0
-    longest_block = 1  # query tokens of the largest item
-    longest_context = 1  # keys of the longest live sequence (its scores row), at most the table's
+    decodes = 0
+    longest_block = 1  # query tokens of the largest block
+    longest_context = 1  # keys of the longest live sequence (a scores row), at most the table's
+    work = 0  # query rows x keys
     for s in range(num_seqs):
         start = min(max(query_start_loc[s], 0), num_tokens)
         end = min(max(query_start_loc[s + 1], start), num_tokens)
         if end > start:
             longest_block = max(longest_block, min(BLOCK_Q, end - start))
             longest_context = max(longest_context, min(context_lens[s], keys))
+            work += (end - start) * num_q_heads * min(max(context_lens[s], 1), keys)
         for b in range(start, end, BLOCK_Q):
-            item_seq[n], item_start[n], item_len[n] = s, b, min(BLOCK_Q, end - b)
-            item_pos[n] = context_lens[s] - (end - start) + (b - start)
+            blk_seq[n], blk_start[n], blk_len[n] = s, b, min(BLOCK_Q, end - b)
+            blk_pos[n] = context_lens[s] - (end - start) + (b - start)
+            decodes += blk_len[n] == 1  # a decode, or a chunk's last token alone
             n += 1
     out[:] = 0.0  # padding tokens (past query_start_loc[num_seqs]) stay zero
-    items = n * num_kv_heads
-    rows_max = longest_block * group
-    if items * rows_max * longest_context < _SERIAL_WORK:  # a small call: no thread hand-off
-        _run_items(0, 1, items, q, k, v, table, item_seq, item_start, item_len, item_pos, out, scale, window, cap,
-                   rows_max, longest_context)  # fmt: skip
+    # Work items: a decode token with all its KV heads (one pass over each page's K and V blocks), or, with fewer
+    # decodes than two per thread, a decode token with one KV head; a prefill block with one KV head.
+    workers = 1 if work < _SERIAL_WORK else max(1, threads)  # a small call: no thread hand-off
+    decode_heads = num_kv_heads if workers == 1 or decodes >= 2 * workers else 1
+    items = decodes * (num_kv_heads // decode_heads) + (n - decodes) * num_kv_heads
+    if workers == 1:
+        _run_items(0, 1, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, n, out, scale,
+                   window, cap, longest_block * group, longest_context)  # fmt: skip
         return
-    workers = max(1, min(threads, items))
+    workers = min(workers, items)
     # Items dealt round-robin (prange alone hands each thread one contiguous range): decodes and prefill blocks,
     # rows of different lengths, balance over the threads.
     for w in prange(workers):
-        _run_items(w, workers, items, q, k, v, table, item_seq, item_start, item_len, item_pos, out, scale, window,
-                   cap, rows_max, longest_context)  # fmt: skip
+        _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, n, out,
+                   scale, window, cap, longest_block * group, longest_context)  # fmt: skip
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _run_items(w, workers, items, q, k, v, table, item_seq, item_start, item_len, item_pos, out, scale, window, cap,
-               rows_max, longest_context):  # fmt: skip
-    """Items w, w + workers, ... of one call. Scratch is sized by the call's largest item, not the table's width:
-    a decode step at 300 keys needs a 4 KB scores row, where BLOCK_Q rows of max_model_len keys would be an mmap
-    and fresh page faults every call."""
+def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, blocks, out,
+               scale, window, cap, rows_max, longest_context):  # fmt: skip
+    """Items w, w + workers, ... of one call: the decode blocks' items first (by block, then KV head range), then
+    the prefill blocks' (by block, then KV head). Scratch is sized by the call's largest item, not the table's
+    width: a decode step at 300 keys needs a 4 KB scores row, where BLOCK_Q rows of max_model_len keys would be an
+    mmap and fresh page faults every call."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[2]
+    num_kv_heads, page_size = k.shape[2], k.shape[1]
     group = num_q_heads // num_kv_heads
-    scores = np.empty((rows_max, longest_context), np.float32)
-    acc = np.empty((_ROWS_PER_PASS, head_dim), np.float32)
+    rows_max = max(rows_max, num_q_heads)
+    scores = np.empty((rows_max + _ROWS_PER_PASS, max(longest_context, page_size)), np.float32)
+    acc = np.empty((rows_max + _ROWS_PER_PASS, head_dim), np.float32)
     qb = np.empty((rows_max, head_dim), np.float32)
     ob = np.empty((rows_max, head_dim), np.float32)
     pos = np.empty(rows_max, np.int64)
+    run_max = np.empty(rows_max, np.float32)
+    run_sum = np.empty(rows_max, np.float32)
+    decode_splits = num_kv_heads // decode_heads
+    # Blocks are in sequence order; decode blocks (one token) are picked out by a running index.
+    decode_blocks = np.empty(blocks, np.int64)
+    prefill_blocks = np.empty(blocks, np.int64)
+    nd = npf = 0
+    for i in range(blocks):
+        if blk_len[i] == 1:
+            decode_blocks[nd] = i
+            nd += 1
+        else:
+            prefill_blocks[npf] = i
+            npf += 1
+    decode_items = nd * decode_splits
     for item in range(w, items, workers):
-        i, h = item // num_kv_heads, item % num_kv_heads
-        s, start, length, first_pos = item_seq[i], item_start[i], item_len[i], item_pos[i]
+        if item < decode_items:
+            i = decode_blocks[item // decode_splits]
+            h0 = (item % decode_splits) * decode_heads
+            rows = decode_heads * group
+            t = blk_start[i]
+            for r in range(rows):
+                for d in range(head_dim):
+                    qb[r, d] = q[t, h0 * group + r, d] * scale
+            _decode_item(qb[:rows], group, k, v, table[blk_seq[i]], blk_pos[i], h0, ob[:rows], window, cap, scores,
+                         acc, run_max, run_sum)  # fmt: skip
+            for r in range(rows):
+                out[t, h0 * group + r] = ob[r]
+            continue
+        j = item - decode_items
+        i, h = prefill_blocks[j // num_kv_heads], j % num_kv_heads
+        s, start, length, first_pos = blk_seq[i], blk_start[i], blk_len[i], blk_pos[i]
         rows = length * group
         for ti in range(length):
             for g in range(group):
                 qb[ti * group + g] = q[start + ti, h * group + g]
                 pos[ti * group + g] = first_pos + ti
-        _attend_item(qb[:rows], k, v, table[s], pos[:rows], h, ob[:rows], scale, window, cap, scores, acc)
+        _attend_item(
+            qb[:rows], k, v, table[s], pos[:rows], h, ob[:rows], scale, window, cap, scores, acc[:_ROWS_PER_PASS]
+        )
         for ti in range(length):
             for g in range(group):
                 out[start + ti, h * group + g] = ob[ti * group + g]

@@ -98,7 +98,10 @@ def test_ragged_cpu_out_of_range_page_ids_never_read_outside_the_pool():
 def test_ragged_cpu_rows_do_not_depend_on_the_batch():
     """Each row is computed alone: the same row gives the same bits alone (a small call, on the calling thread) and
     in a batch (a large one, on numba's threads), and matches the oracle either way."""
-    lengths = [370, 5, 640, 1, 1000, 170, 0, 800]
+    from kernels_pallas import ragged_cpu_numba
+
+    lengths = [370, 5, 640, 1, 1000, 170, 0, 800, 3000]
+    assert sum(lengths) * 9 >= ragged_cpu_numba._SERIAL_WORK, "the batch must be large enough for the threads"
     case = make_decode_case(3, lengths, num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     full = np.asarray(_attend(case, scale=0.125))
     np.testing.assert_allclose(full, naive_decode(case, scale=0.125, sliding_window=0, soft_cap=None), rtol=1e-5,
@@ -113,7 +116,12 @@ def test_ragged_cpu_rows_do_not_depend_on_the_batch():
 
 @pytest.mark.parametrize("threads", [1, 3, 64])
 def test_ragged_cpu_thread_count_changes_no_bits(monkeypatch, threads):
-    lengths = [370, 5, 640, 1, 1000]
+    """1 thread: every item on the calling thread; 2 (the default here): each decode with all its KV heads; 3 and
+    64 (fewer decodes than two per thread): each decode's KV heads on their own."""
+    from kernels_pallas import ragged_cpu_numba
+
+    lengths = [370, 5, 640, 1, 3700]
+    assert sum(lengths) * 9 >= ragged_cpu_numba._SERIAL_WORK, "the call must be large enough for the threads"
     case = make_decode_case(4, lengths, num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     base = np.asarray(_attend(case, scale=0.125))
     monkeypatch.setattr(numba_ffi, "num_threads", lambda: threads)
