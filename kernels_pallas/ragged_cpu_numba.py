@@ -58,12 +58,48 @@ def _exp(x):
     return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
-@njit(fastmath=True, nogil=True, cache=True)
-def _attend_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, acc):
-    """Query rows of one sequence and one KV head: q f32[R, D] (R = tokens x group heads, token-major), rows_pos
-    i64[R] each row's absolute position (its keys: causal, within the window) -> out f32[R, D]. scores f32[>= R,
-    >= keys] and acc f32[_ROWS_PER_PASS, D] are scratch."""
-    rows, head_dim = q.shape
+@njit(fastmath=True, inline="always")
+def _dot4(q0, q1, q2, q3, key, head_dim):
+    """Four query rows' dot products with one key: the key is loaded once."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for d in range(head_dim):
+        kd = key[d]
+        a0 += q0[d] * kd
+        a1 += q1[d] * kd
+        a2 += q2[d] * kd
+        a3 += q3[d] * kd
+    return a0, a1, a2, a3
+
+
+@njit(fastmath=True, inline="always")
+def _axpy4(c0, c1, c2, c3, w0, w1, w2, w3, val, head_dim):
+    """c_i += w_i * val for four accumulator rows: the value row is loaded once."""
+    for d in range(head_dim):
+        vd = val[d]
+        c0[d] += w0 * vd
+        c1[d] += w1 * vd
+        c2[d] += w2 * vd
+        c3[d] += w3 * vd
+
+
+@njit(fastmath=True, inline="always")
+def _page_pv(o, w, w0, v, page, head, head_dim):
+    """o += w[w0:w0 + _KEY_BLOCK] . v[page, :, head] for a page of _KEY_BLOCK keys: a loop over the head dim with the
+    keys unrolled inside, one store per output vector, where a loop over keys would load and store every
+    accumulator at every key."""
+    for d in range(head_dim):
+        x = np.float32(0.0)
+        for j in range(_KEY_BLOCK):
+            x += w[w0 + j] * v[page, j, head, d]
+        o[d] += x
+
+
+@njit(fastmath=True, inline="always")
+def _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, head_dim):
+    """Query rows of one sequence and one KV head: q f32[R, head_dim] (R = tokens x group heads, token-major),
+    rows_pos i64[R] each row's absolute position (its keys: causal, within the window) -> out f32[R, head_dim].
+    scores f32[>= R, >= keys] is scratch."""
+    rows = q.shape[0]
     num_pages, page_size = k.shape[0], k.shape[1]
     last_key = min(rows_pos.max(), table.shape[0] * page_size - 1)  # keys past the table do not exist
     lo = np.empty(rows, np.int64)
@@ -80,14 +116,7 @@ def _attend_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores
         for pi in range(first_page, end_page):
             page = min(max(table[pi], 0), num_pages - 1)  # a bad table entry must not read outside the pool
             for j in range(max(first - pi * page_size, 0), min(page_size, last_key + 1 - pi * page_size)):
-                key = k[page, j, head]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for d in range(head_dim):
-                    kd = key[d]
-                    a0 += q0[d] * kd
-                    a1 += q1[d] * kd
-                    a2 += q2[d] * kd
-                    a3 += q3[d] * kd
+                a0, a1, a2, a3 = _dot4(q0, q1, q2, q3, k[page, j, head], head_dim)
                 t = pi * page_size + j
                 scores[r0, t], scores[n1, t], scores[n2, t], scores[n3, t] = a0, a1, a2, a3
     for r in range(rows):
@@ -116,24 +145,29 @@ def _attend_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores
         inv = np.float32(1.0) / total
         for t in range(lo[r], hi):
             row[t] *= inv
-    for r0 in range(0, rows, _ROWS_PER_PASS):
-        n1, n2, n3 = min(r0 + 1, rows - 1), min(r0 + 2, rows - 1), min(r0 + 3, rows - 1)
-        acc[:, :] = 0.0
-        a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
-        for pi in range(first_page, end_page):
-            page = min(max(table[pi], 0), num_pages - 1)
-            for j in range(max(first - pi * page_size, 0), min(page_size, last_key + 1 - pi * page_size)):
+    out[:, :] = 0.0
+    for pi in range(first_page, end_page):
+        page = min(max(table[pi], 0), num_pages - 1)
+        j0, j1 = max(first - pi * page_size, 0), min(page_size, last_key + 1 - pi * page_size)
+        t0 = pi * page_size
+        if j1 - j0 == _KEY_BLOCK and page_size == _KEY_BLOCK:
+            for r in range(rows):
+                _page_pv(out[r], scores[r], t0, v, page, head, head_dim)
+        else:
+            for j in range(j0, j1):
                 val = v[page, j, head]
-                t = pi * page_size + j
-                w0, w1, w2, w3 = scores[r0, t], scores[n1, t], scores[n2, t], scores[n3, t]
-                for d in range(head_dim):
-                    vd = val[d]
-                    a0[d] += w0 * vd
-                    a1[d] += w1 * vd
-                    a2[d] += w2 * vd
-                    a3[d] += w3 * vd
-        for r in range(r0, min(r0 + _ROWS_PER_PASS, rows)):
-            out[r] = acc[r - r0]
+                for r in range(rows):
+                    w, o = scores[r, t0 + j], out[r]
+                    for d in range(head_dim):
+                        o[d] += w * val[d]
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _prefill_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores):
+    if q.shape[1] == 64:  # the head-dim loops unroll
+        _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, 64)
+    else:
+        _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, q.shape[1])
 
 
 @njit(fastmath=True, inline="always")
@@ -169,13 +203,7 @@ def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
                 end = (hh + 1) * group
                 for r0 in range(hh * group, end, _ROWS_PER_PASS):
                     q0, q1, q2, q3 = q[r0], q[min(r0 + 1, end - 1)], q[min(r0 + 2, end - 1)], q[min(r0 + 3, end - 1)]
-                    a0 = a1 = a2 = a3 = np.float32(0.0)
-                    for d in range(head_dim):
-                        kd = key[d]
-                        a0 += q0[d] * kd
-                        a1 += q1[d] * kd
-                        a2 += q2[d] * kd
-                        a3 += q3[d] * kd
+                    a0, a1, a2, a3 = _dot4(q0, q1, q2, q3, key, head_dim)
                     s[r0, jj] = a0
                     s[r0 + 1 if r0 + 1 < end else pad, jj] = a1
                     s[r0 + 2 if r0 + 2 < end else pad + 1, jj] = a2
@@ -206,15 +234,8 @@ def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
             for jj in range(n):
                 s[r, jj] = 0.0
         if n == _KEY_BLOCK and page_size == _KEY_BLOCK:
-            # A whole page: per row, a loop over the head dim with the page's keys unrolled inside, one store per
-            # output vector (a loop over keys would load and store every accumulator at every key).
             for r in range(rows):
-                h, w, ar = h0 + r // group, s[r], acc[r]
-                for d in range(head_dim):
-                    x = np.float32(0.0)
-                    for j in range(_KEY_BLOCK):
-                        x += w[j] * v[page, j, h, d]
-                    ar[d] += x
+                _page_pv(acc[r], s[r], 0, v, page, h0 + r // group, head_dim)
         else:
             for j in range(j0, j1):
                 jj = j - j0
@@ -225,14 +246,8 @@ def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
                         r1 = r0 + 1 if r0 + 1 < end else pad + 1
                         r2 = r0 + 2 if r0 + 2 < end else pad + 2
                         r3 = r0 + 3 if r0 + 3 < end else pad + 3
-                        w0, w1, w2, w3 = s[r0, jj], s[r1, jj], s[r2, jj], s[r3, jj]
                         c0, c1, c2, c3 = acc[r0], acc[r1], acc[r2], acc[r3]
-                        for d in range(head_dim):
-                            vd = val[d]
-                            c0[d] += w0 * vd
-                            c1[d] += w1 * vd
-                            c2[d] += w2 * vd
-                            c3[d] += w3 * vd
+                        _axpy4(c0, c1, c2, c3, s[r0, jj], s[r1, jj], s[r2, jj], s[r3, jj], val, head_dim)
     for r in range(rows):
         inv = np.float32(1.0) / run_sum[r]
         for d in range(head_dim):
@@ -349,9 +364,7 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
             for g in range(group):
                 qb[ti * group + g] = q[start + ti, h * group + g]
                 pos[ti * group + g] = first_pos + ti
-        _attend_item(
-            qb[:rows], k, v, table[s], pos[:rows], h, ob[:rows], scale, window, cap, scores, acc[:_ROWS_PER_PASS]
-        )
+        _prefill_item(qb[:rows], k, v, table[s], pos[:rows], h, ob[:rows], scale, window, cap, scores)
         for ti in range(length):
             for g in range(group):
                 out[start + ti, h * group + g] = ob[ti * group + g]
