@@ -69,16 +69,20 @@ class CacheConfig:
 # The model's own context length is used up to this many tokens when max_model_len is not given.
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
 # Per backend, when not given: (max_num_seqs, max_num_batched_tokens: the token budget of a mixed step, raised to
-# max_num_seqs when that is set higher). CPU: on the default model's offline workload 64 rows and 512 tokens ran
-# 1.15x faster than 32 and 256 (a 64-row matmul costs little more than a 32-row one on XLA:CPU; benchmarks/README).
-BATCH_DEFAULTS: dict[str, tuple[int, int]] = {"cpu": (64, 512), "gpu": (32, 256), "tpu": (32, 256)}
+# max_num_seqs when that is set higher). CPU: XLA:CPU's dots at the default model's shapes run ~25% faster at 128
+# rows than at 64 (and 64 than 32), so wide decode steps pay: on the default model's offline workload (256
+# requests) 128 rows ran 1.10x faster than 64, and 64 with 512 tokens 1.15x faster than 32 with 256, with the
+# default KV budget (benchmarks/README.md). A step of 128 rows holds no more KV than the pool has: the scheduler
+# admits and preempts by free pages.
+BATCH_DEFAULTS: dict[str, tuple[int, int]] = {"cpu": (128, 512), "gpu": (32, 256), "tpu": (32, 256)}
 
 
 def batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, backend: str) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens): the given ones, else this backend's defaults (an unknown backend
-    gets the GPU row)."""
+    gets the GPU row). A default never contradicts a given value: the default token budget grows to a given
+    max_num_seqs, and the default max_num_seqs shrinks to a given token budget (every decode needs a token slot)."""
     seqs, tokens = BATCH_DEFAULTS.get(backend, BATCH_DEFAULTS["gpu"])
-    seqs = max_num_seqs or seqs
+    seqs = max_num_seqs or min(seqs, max_num_batched_tokens or seqs)
     return seqs, max_num_batched_tokens or max(tokens, seqs)
 
 
@@ -95,7 +99,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     device: str | None = None  # None: $JAXINFER_DEVICE, else what $JAX_PLATFORMS asks for, else auto
     max_model_len: int | None = None  # None: the model's, capped at DEFAULT_MAX_MODEL_LEN_CAP
-    max_num_seqs: int | None = None  # None: per backend (BATCH_DEFAULTS: 64 on CPU, 32 on GPU and TPU)
+    max_num_seqs: int | None = None  # None: per backend (BATCH_DEFAULTS: 128 on CPU, 32 on GPU and TPU)
     max_num_batched_tokens: int | None = None  # None: per backend (BATCH_DEFAULTS), at least max_num_seqs
     block_size: int = CacheConfig.block_size
     num_kv_tokens: int | None = None  # explicit KV pool size in tokens (overrides gpu_memory_utilization)

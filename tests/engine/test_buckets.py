@@ -30,12 +30,13 @@ def test_every_batch_fits_a_bucket_and_the_limits_are_buckets(backend, max_seqs,
 @pytest.mark.parametrize(
     "seqs,tokens,backend,expected",
     [
-        (None, None, "cpu", (64, 512)),  # the CPU defaults
+        (None, None, "cpu", (128, 512)),  # the CPU defaults
         (None, None, "gpu", (32, 256)),
         (None, None, "tpu", (32, 256)),
         (None, None, "rocm-or-other", (32, 256)),  # an unknown backend: the GPU row
         (8, None, "cpu", (8, 512)),  # a given value wins, the other stays the backend's
-        (None, 128, "cpu", (64, 128)),
+        (None, 256, "cpu", (128, 256)),
+        (None, 64, "cpu", (64, 64)),  # the default max_num_seqs shrinks to a given budget
         (1024, None, "gpu", (1024, 1024)),  # every decode needs a token slot: the budget grows to max_num_seqs
         (4, 16, "gpu", (4, 16)),
     ],
