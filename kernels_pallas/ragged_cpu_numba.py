@@ -171,6 +171,14 @@ def _prefill_item(q, k, v, table, rows_pos, head, out, scale, window, cap, score
 
 
 @njit(fastmath=True, inline="always")
+def _pass_rows(r0, end, pad):
+    """Rows 2-4 of a pass that starts at row r0 of a group ending at `end`: past the end, scratch rows pad + 1 ..
+    pad + 3, which take what the pass computes for its padding rows."""
+    return (r0 + 1 if r0 + 1 < end else pad + 1, r0 + 2 if r0 + 2 < end else pad + 2,
+            r0 + 3 if r0 + 3 < end else pad + 3)  # fmt: skip
+
+
+@njit(fastmath=True, inline="always")
 def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim):
     """One decode token's query rows for KV heads h0, h0 + 1, ...: q f32[rows, head_dim] (scaled; each KV head's
     `group` rows together), the token at position pos -> out f32[rows, head_dim].
@@ -191,7 +199,7 @@ def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
     for r in range(rows):
         run_max[r] = np.float32(-3.0e38)
         run_sum[r] = 0.0
-    pad = rows  # scratch rows for a pass's padding rows
+    pad = rows  # past it, scratch rows for a pass's padding rows (_pass_rows)
     for pi in range(first // page_size, last // page_size + 1):
         page = min(max(table[pi], 0), num_pages - 1)  # a bad table entry must not read outside the pool
         j0, j1 = max(first - pi * page_size, 0), min(page_size, last + 1 - pi * page_size)
@@ -203,11 +211,8 @@ def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
                 end = (hh + 1) * group
                 for r0 in range(hh * group, end, _ROWS_PER_PASS):
                     q0, q1, q2, q3 = q[r0], q[min(r0 + 1, end - 1)], q[min(r0 + 2, end - 1)], q[min(r0 + 3, end - 1)]
-                    a0, a1, a2, a3 = _dot4(q0, q1, q2, q3, key, head_dim)
-                    s[r0, jj] = a0
-                    s[r0 + 1 if r0 + 1 < end else pad, jj] = a1
-                    s[r0 + 2 if r0 + 2 < end else pad + 1, jj] = a2
-                    s[r0 + 3 if r0 + 3 < end else pad + 2, jj] = a3
+                    r1, r2, r3 = _pass_rows(r0, end, pad)
+                    s[r0, jj], s[r1, jj], s[r2, jj], s[r3, jj] = _dot4(q0, q1, q2, q3, key, head_dim)
         for r in range(rows):
             row = s[r]
             if cap > 0:
@@ -243,9 +248,7 @@ def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
                     val = v[page, j, h0 + hh]
                     end = (hh + 1) * group
                     for r0 in range(hh * group, end, _ROWS_PER_PASS):
-                        r1 = r0 + 1 if r0 + 1 < end else pad + 1
-                        r2 = r0 + 2 if r0 + 2 < end else pad + 2
-                        r3 = r0 + 3 if r0 + 3 < end else pad + 3
+                        r1, r2, r3 = _pass_rows(r0, end, pad)
                         c0, c1, c2, c3 = acc[r0], acc[r1], acc[r2], acc[r3]
                         _axpy4(c0, c1, c2, c3, s[r0, jj], s[r1, jj], s[r2, jj], s[r3, jj], val, head_dim)
     for r in range(rows):
@@ -293,6 +296,16 @@ def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale,
             blk_pos[n] = context_lens[s] - (end - start) + (b - start)
             decodes += blk_len[n] == 1  # a decode, or a chunk's last token alone
             n += 1
+    # The blocks in item order: the decode blocks first, then the prefill blocks, each in sequence order.
+    order = np.empty(n, np.int64)
+    nd, npf = 0, decodes
+    for i in range(n):
+        if blk_len[i] == 1:
+            order[nd] = i
+            nd += 1
+        else:
+            order[npf] = i
+            npf += 1
     out[:] = 0.0  # padding tokens (past query_start_loc[num_seqs]) stay zero
     # Work items: a decode token with all its KV heads (one pass over each page's K and V blocks), or, with fewer
     # decodes than two per thread, a decode token with one KV head; a prefill block with one KV head.
@@ -300,24 +313,24 @@ def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale,
     decode_heads = num_kv_heads if workers == 1 or decodes >= 2 * workers else 1
     items = decodes * (num_kv_heads // decode_heads) + (n - decodes) * num_kv_heads
     if workers == 1:
-        _run_items(0, 1, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, n, out, scale,
-                   window, cap, longest_block * group, longest_context)  # fmt: skip
+        _run_items(0, 1, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, order, decodes,
+                   out, scale, window, cap, longest_block * group, longest_context)  # fmt: skip
         return
     workers = min(workers, items)
     # Items dealt round-robin (prange alone hands each thread one contiguous range): decodes and prefill blocks,
     # rows of different lengths, balance over the threads.
     for w in prange(workers):
-        _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, n, out,
-                   scale, window, cap, longest_block * group, longest_context)  # fmt: skip
+        _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, order,
+                   decodes, out, scale, window, cap, longest_block * group, longest_context)  # fmt: skip
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, blocks, out,
-               scale, window, cap, rows_max, longest_context):  # fmt: skip
-    """Items w, w + workers, ... of one call: the decode blocks' items first (by block, then KV head range), then
-    the prefill blocks' (by block, then KV head). Scratch is sized by the call's largest item, not the table's
-    width: a decode step at 300 keys needs a 4 KB scores row, where BLOCK_Q rows of max_model_len keys would be an
-    mmap and fresh page faults every call."""
+def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, order, decodes,
+               out, scale, window, cap, rows_max, longest_context):  # fmt: skip
+    """Items w, w + workers, ... of one call: the decode blocks' items first (order[:decodes], by block, then KV
+    head range), then the prefill blocks' (order[decodes:], by block, then KV head). Scratch is sized by the
+    call's largest item, not the table's width: a decode step at 300 keys needs a 4 KB scores row, where BLOCK_Q
+    rows of max_model_len keys would be an mmap and fresh page faults every call."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = k.shape[2], k.shape[1]
     group = num_q_heads // num_kv_heads
@@ -330,21 +343,10 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
     run_max = np.empty(rows_max, np.float32)
     run_sum = np.empty(rows_max, np.float32)
     decode_splits = num_kv_heads // decode_heads
-    # Blocks are in sequence order; decode blocks (one token) are picked out by a running index.
-    decode_blocks = np.empty(blocks, np.int64)
-    prefill_blocks = np.empty(blocks, np.int64)
-    nd = npf = 0
-    for i in range(blocks):
-        if blk_len[i] == 1:
-            decode_blocks[nd] = i
-            nd += 1
-        else:
-            prefill_blocks[npf] = i
-            npf += 1
-    decode_items = nd * decode_splits
+    decode_items = decodes * decode_splits
     for item in range(w, items, workers):
         if item < decode_items:
-            i = decode_blocks[item // decode_splits]
+            i = order[item // decode_splits]
             h0 = (item % decode_splits) * decode_heads
             rows = decode_heads * group
             t = blk_start[i]
@@ -357,7 +359,7 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
                 out[t, h0 * group + r] = ob[r]
             continue
         j = item - decode_items
-        i, h = prefill_blocks[j // num_kv_heads], j % num_kv_heads
+        i, h = order[decodes + j // num_kv_heads], j % num_kv_heads
         s, start, length, first_pos = blk_seq[i], blk_start[i], blk_len[i], blk_pos[i]
         rows = length * group
         for ti in range(length):
