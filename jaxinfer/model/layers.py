@@ -8,6 +8,7 @@ axes, placement happens once, when the weights are loaded onto a mesh.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -59,6 +60,34 @@ class Embed(nnx.Module):
         return x
 
 
+# XLA:CPU puts the weight on the left of the dot for 2..128 rows whose output fits in a core's cache (below).
+WEIGHT_LEFT_MAX_ROWS = 128
+WEIGHT_LEFT_MAX_OUT_BYTES = 8 << 20
+
+
+def project(x: jax.Array, w: jax.Array, num_in: int, out_dtype=None) -> jax.Array:
+    """x f[..., *in] times a kernel stored output-major, w f[*out, *in] (PyTorch's Linear layout), -> f[..., *out].
+
+    On XLA:CPU a decode batch's projection puts the weight on the left of the dot, W @ x^T, and transposes the small
+    result: YNNPACK ran it 1.1-1.5x faster than x @ W^T at 8-64 rows, and ahead of the input-major x @ W this
+    layout replaced (benchmarks/README.md, output-major kernels). The optimization barrier keeps XLA from folding
+    the transpose into the dot (it would hand the dot both operands transposed, a slower path). A prompt's many rows
+    gain nothing, and a large result (the LM head's at 128 rows: 25 MB) costs more to transpose than it gains, so
+    those keep x @ W^T, as accelerators do. One row is a GEMV over W's rows."""
+    lead, num_out = x.shape[: x.ndim - num_in], w.ndim - num_in
+    rows, k, n = math.prod(lead), math.prod(x.shape[x.ndim - num_in :]), math.prod(w.shape[:num_out])
+    w2, x2 = w.reshape(n, k), x.reshape(rows, k)
+    contract = (((1,), (1,)), ((), ()))
+    out_bytes = rows * n * jnp.dtype(out_dtype or x.dtype).itemsize
+    if jax.default_backend() != "cpu" or rows > WEIGHT_LEFT_MAX_ROWS or out_bytes > WEIGHT_LEFT_MAX_OUT_BYTES:
+        y = jax.lax.dot_general(x2, w2, contract, preferred_element_type=out_dtype)
+    elif rows == 1:
+        y = jnp.matmul(w2, x2[0], preferred_element_type=out_dtype)[None]
+    else:
+        y = jax.lax.optimization_barrier(jax.lax.dot_general(w2, x2, contract, preferred_element_type=out_dtype)).T
+    return y.reshape(*lead, *w.shape[:num_out])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerSelect:
@@ -66,7 +95,7 @@ class LayerSelect:
 
     A loop over stacked weights slices each layer's kernel out of the stack, and XLA:CPU copies a dynamic slice
     before a matmul reads it (unrolled layers ran a batch-1 decode step 1.16x faster, benchmarks/README.md). A
-    `lax.switch` over the layers' own arrays runs each matmul on the parameter buffer itself. `Einsum` takes one
+    `lax.switch` over the layers' own arrays runs each matmul on the parameter buffer itself. `Linear` takes one
     in place of an array (`jaxinfer.model.scanned` builds them)."""
 
     arrays: tuple[jax.Array, ...]
@@ -74,35 +103,39 @@ class LayerSelect:
 
     def __getitem__(self, key):
         if key is not Ellipsis:
-            raise TypeError("a LayerSelect is read whole ([...]) by Einsum")
-        return self  # what `Param[...]` hands to Einsum
+            raise TypeError("a LayerSelect is read whole ([...]) by Linear")
+        return self  # what `Param[...]` hands to Linear
 
-    def einsum(self, equation: str, x: jax.Array) -> jax.Array:
-        branches = [lambda x, w=w: jnp.einsum(equation, x, w) for w in self.arrays]
+    def project(self, x: jax.Array, num_in: int) -> jax.Array:
+        branches = [lambda x, w=w: project(x, w, num_in) for w in self.arrays]
         return jax.lax.switch(self.index, branches, x)
 
 
-class Einsum(nnx.Module):
-    """A projection as one einsum (heads kept as their own axis), with an optional bias over its output axes."""
+class Linear(nnx.Module):
+    """A projection whose kernel is stored output-major, f[*out, *in] (heads kept as their own axes), with an
+    optional bias over its output axes."""
 
     def __init__(
         self,
-        equation: str,
-        shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+        in_shape: tuple[int, ...],
         axes: tuple[str, ...],
         *,
-        bias: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
+        bias: bool = False,
         dtype,
         std: float = 0.02,
         rngs: nnx.Rngs,
     ):
-        self.equation = equation
+        """axes: logical names of the kernel's axes, output axes first."""
+        self.num_in = len(in_shape)
+        shape = (*out_shape, *in_shape)
         self.kernel = param(rngs, nnx.initializers.normal(std), shape, axes, dtype)
-        self.bias = param(rngs, nnx.initializers.normal(std), *bias, dtype) if bias else None
+        out_axes = axes[: len(out_shape)]
+        self.bias = param(rngs, nnx.initializers.normal(std), out_shape, out_axes, dtype) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.kernel[...]
-        y = w.einsum(self.equation, x) if isinstance(w, LayerSelect) else jnp.einsum(self.equation, x, w)
+        y = w.project(x, self.num_in) if isinstance(w, LayerSelect) else project(x, w, self.num_in)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -120,11 +153,9 @@ class GatedMLP(nnx.Module):
     def __init__(self, dim: int, hidden: int, act: str, use_bias: bool, *, dtype, std: float, rngs: nnx.Rngs):
         self.act = act
         kw = dict(dtype=dtype, std=std, rngs=rngs)
-        up_bias = ((hidden,), ("mlp",)) if use_bias else None
-        self.gate = Einsum("...d,df->...f", (dim, hidden), ("embed", "mlp"), bias=up_bias, **kw)
-        self.up = Einsum("...d,df->...f", (dim, hidden), ("embed", "mlp"), bias=up_bias, **kw)
-        down_bias = ((dim,), ("embed",)) if use_bias else None
-        self.down = Einsum("...f,fd->...d", (hidden, dim), ("mlp", "embed"), bias=down_bias, **kw)
+        self.gate = Linear((hidden,), (dim,), ("mlp", "embed"), bias=use_bias, **kw)
+        self.up = Linear((hidden,), (dim,), ("mlp", "embed"), bias=use_bias, **kw)
+        self.down = Linear((dim,), (hidden,), ("embed", "mlp"), bias=use_bias, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(activation(self.act, self.gate(x)) * self.up(x))

@@ -22,8 +22,8 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.transformer import Params, abstract_model, check_params
 
-# 2: the nnx state of jaxinfer.model.Transformer (1 was the dict-of-arrays layout before the move to Flax NNX).
-FORMAT_VERSION = 2
+# 3: kernels output-major, f[*out, *in] (2 had them input-major; 1 was the dict-of-arrays layout before Flax NNX).
+FORMAT_VERSION = 3
 META_FILE = "jaxinfer.json"
 
 

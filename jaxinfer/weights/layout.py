@@ -1,9 +1,9 @@
 """From checkpoint tensors in PyTorch layout (HF names, Linear weights f[out, in]) to a family's nnx state.
 
 Every loader reduces its format to `get(hf_name) -> np.ndarray | None` in PyTorch layout; this module does the
-one conversion into the module's layout ([in, out], heads as their own axis), walking the abstract state of
-`jaxinfer.model.Transformer(cfg)`. `place` decides where each converted leaf goes (plain device array, or a
-sharded array placed shard by shard from the parameter's logical axes).
+one conversion into the module's layout (kernels output-major as PyTorch's, heads as their own axes: a reshape),
+walking the abstract state of `jaxinfer.model.Transformer(cfg)`. `place` decides where each converted leaf goes
+(plain device array, or a sharded array placed shard by shard from the parameter's logical axes).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def hf_name(cfg: ModelConfig, path: tuple) -> str:
 
 
 def _in_dims(path: tuple) -> int:
-    """How many leading axes of a kernel are its input (the output projection reads heads x head_dim)."""
+    """How many trailing axes of a kernel are its input (the output projection reads heads x head_dim)."""
     return 2 if path[-2] == "o" else 1
 
 
@@ -59,18 +59,18 @@ def torch_shape(path: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The PyTorch-layout shape of a leaf of our `shape`: Linear weights are [out, in], flattened over heads."""
     if path[-1] != "kernel":
         return (shape[0], math.prod(shape[1:])) if path[-1] == "embedding" else (math.prod(shape),)
-    n = _in_dims(path)
-    return (math.prod(shape[n:]), math.prod(shape[:n]))
+    n = len(shape) - _in_dims(path)
+    return (math.prod(shape[:n]), math.prod(shape[n:]))
 
 
 def to_our_layout(path: tuple, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    return (w.T if path[-1] == "kernel" else w).reshape(shape)
+    return w.reshape(shape)
 
 
 def to_torch_layout(path: tuple, x: np.ndarray) -> np.ndarray:
     """The inverse of `to_our_layout` (exports, tests that serve our weights through the HF loading path)."""
     want = torch_shape(path, x.shape)
-    return x.reshape(want[::-1]).T if path[-1] == "kernel" else x.reshape(want)
+    return x.reshape(want)
 
 
 def default_placer(dtype: str) -> Placer:
