@@ -60,7 +60,8 @@ class Embed(nnx.Module):
         return x
 
 
-# XLA:CPU puts the weight on the left of the dot for 2..128 rows whose output fits in a core's cache (below).
+# XLA:CPU puts the weight on the left of the dot for 2..128 rows and a result of at most 8 MiB (`project`): the LM
+# head's 6 MB at 32 rows gained 1.36x, its 25 MB at 128 rows cost 7.8 ms to transpose.
 WEIGHT_LEFT_MAX_ROWS = 128
 WEIGHT_LEFT_MAX_OUT_BYTES = 8 << 20
 

@@ -63,12 +63,9 @@ def torch_shape(path: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (math.prod(shape[:n]), math.prod(shape[n:]))
 
 
-def to_our_layout(path: tuple, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    return w.reshape(shape)
-
-
 def to_torch_layout(path: tuple, x: np.ndarray) -> np.ndarray:
-    """The inverse of `to_our_layout` (exports, tests that serve our weights through the HF loading path)."""
+    """A leaf in PyTorch's layout, the inverse of the loader's reshape (exports, tests that serve our weights
+    through the HF loading path)."""
     want = torch_shape(path, x.shape)
     return x.reshape(want)
 
@@ -96,7 +93,7 @@ def build_params(cfg: ModelConfig, get: Getter, place: Placer | None = None) -> 
             raise ValueError(
                 f"tensor {name!r} has shape {tuple(w.shape)}, which does not fit the config (expected {want})"
             )
-        return v.replace(place(path, to_our_layout(path, w, tuple(v.shape)), var_axes(v)))
+        return v.replace(place(path, w.reshape(v.shape), var_axes(v)))
 
     return nnx.map_state(fill, abstract_model(cfg)[1])
 

@@ -16,7 +16,7 @@ def _weight_left(rows: int, out: int) -> bool:
     return (
         jax.default_backend() == "cpu"
         and 2 <= rows <= WEIGHT_LEFT_MAX_ROWS
-        and rows * out * 4 <= (WEIGHT_LEFT_MAX_OUT_BYTES)
+        and rows * out * 4 <= WEIGHT_LEFT_MAX_OUT_BYTES
     )
 
 
