@@ -422,7 +422,7 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
 def handler(frame_ptr):
     """Operands: q f32[T, Hq, D], k and v f32[P, page, Hkv, D], page_table i32[S, W], context_lens i32[S],
     query_start_loc i32[S + 1], num_seqs i32[1], settings f32[4] (scale, window, soft-cap, threads); result
-    f32[T, Hq, D]."""
+    f32[T, Hq, D] (declared f32[T, Hq * D] by the caller: the same bytes)."""
     frame = carray(frame_ptr, (15,), dtype=np.int64)
     if answer_non_execute(frame):
         return null()

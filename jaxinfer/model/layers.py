@@ -66,15 +66,21 @@ WEIGHT_LEFT_MAX_ROWS = 128
 WEIGHT_LEFT_MAX_OUT_BYTES = 8 << 20
 
 
-def project(x: jax.Array, w: jax.Array, num_in: int, out_dtype=None) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, num_in: int, out_dtype=None, *, in_branch: bool = False) -> jax.Array:
     """x f[..., *in] times a kernel stored output-major, w f[*out, *in] (PyTorch's Linear layout), -> f[..., *out].
 
-    On XLA:CPU a decode batch's projection puts the weight on the left of the dot, W @ x^T, and transposes the small
-    result: YNNPACK ran it 1.1-1.5x faster than x @ W^T at 8-64 rows, and ahead of the input-major x @ W this
-    layout replaced (benchmarks/README.md, output-major kernels). The optimization barrier keeps XLA from folding
-    the transpose into the dot (it would hand the dot both operands transposed, a slower path). A prompt's many rows
-    gain nothing, and a large result (the LM head's at 128 rows: 25 MB) costs more to transpose than it gains, so
-    those keep x @ W^T, as accelerators do. One row is a GEMV over W's rows."""
+    On XLA:CPU the form follows the rows (benchmarks/README.md: output-major kernels; one-row projections):
+    - one row: the vector times W's transpose, which XLA:CPU fuses with the vector's producers (the norm) and with
+      the slice of a stacked kernel into one loop over W's rows, split across the cores: the memory's pace, where
+      Eigen's one-core GEMV after a copy of the slice ran the attention projections at ~19 GB/s. Two exceptions
+      take Eigen's GEMV (W @ x): inside a conditional's branch (`in_branch`, `LayerSelect`), where XLA:CPU splits
+      no loop (7.4 GB/s), and a kernel with several input axes, whose flattening costs the fused loop a gather
+      per element (9 GB/s);
+    - a decode batch (2..128 rows, small result): W @ x^T with the result transposed: YNNPACK ran it 1.1-1.5x
+      faster than x @ W^T at 8-64 rows. The optimization barrier keeps XLA from folding the transpose into the dot
+      (it would hand the dot both operands transposed, a slower path);
+    - a prompt's many rows, or a large result (the LM head's at 128 rows: 25 MB costs more to transpose than it
+      gains): x @ W^T, as on accelerators."""
     lead, num_out = x.shape[: x.ndim - num_in], w.ndim - num_in
     rows, k, n = math.prod(lead), math.prod(x.shape[x.ndim - num_in :]), math.prod(w.shape[:num_out])
     w2, x2 = w.reshape(n, k), x.reshape(rows, k)
@@ -82,6 +88,9 @@ def project(x: jax.Array, w: jax.Array, num_in: int, out_dtype=None) -> jax.Arra
     out_bytes = rows * n * jnp.dtype(out_dtype or x.dtype).itemsize
     if jax.default_backend() != "cpu" or rows > WEIGHT_LEFT_MAX_ROWS or out_bytes > WEIGHT_LEFT_MAX_OUT_BYTES:
         y = jax.lax.dot_general(x2, w2, contract, preferred_element_type=out_dtype)
+    elif rows == 1 and not in_branch and num_in == 1:
+        # Spelled with the transpose: XLA:CPU rewrites a dot over W's own layout into a GEMV library call first.
+        y = jnp.matmul(x2, w2.T, preferred_element_type=out_dtype)
     elif rows == 1:
         y = jnp.matmul(w2, x2[0], preferred_element_type=out_dtype)[None]
     else:
@@ -108,7 +117,7 @@ class LayerSelect:
         return self  # what `Param[...]` hands to Linear
 
     def project(self, x: jax.Array, num_in: int) -> jax.Array:
-        branches = [lambda x, w=w: project(x, w, num_in) for w in self.arrays]
+        branches = [lambda x, w=w: project(x, w, num_in, in_branch=True) for w in self.arrays]
         return jax.lax.switch(self.index, branches, x)
 
 

@@ -12,8 +12,9 @@ loop body reads it through a `lax.switch` on the layer index (`jaxinfer.model.la
 stack, XLA:CPU copies a kernel before its matmul, every layer of every step: unrolled layers ran a batch-1 decode
 step 1.16x faster than the stacked scan, and this scan runs it as fast as unrolled (benchmarks/README.md). The
 attention projections stay stacked: switching over them too gained nothing measurable and doubled the matmuls a
-serialized step holds (a warm start loaded its 40 steps in 4.5-5.0 s instead of 2.3-2.4 s). Norm scales and
-biases are small and stay stacked.
+serialized step holds (a warm start loaded its 40 steps in 4.5-5.0 s instead of 2.3-2.4 s). At one row they are
+read in place all the same: XLA:CPU fuses the slice into the one-row dot (`jaxinfer.model.layers.project`), which
+a switch's branch cannot do. Norm scales and biases are small and stay stacked.
 
 The KV cache is one object for all layers, carried through the loop: `attend` receives the layer index as a
 traced int32 and the whole cache, and returns the whole cache (the engine writes the layer's K/V in place into

@@ -22,8 +22,9 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.transformer import Params, abstract_model, check_params
 
-# 3: kernels output-major, f[*out, *in] (2 had them input-major; 1 was the dict-of-arrays layout before Flax NNX).
-FORMAT_VERSION = 3
+# 4: the output projection's kernel f[D, H*Dh] (3 had f[D, H, Dh]); 3: kernels output-major, f[*out, *in] (2 had them
+# input-major; 1 was the dict-of-arrays layout before Flax NNX).
+FORMAT_VERSION = 4
 META_FILE = "jaxinfer.json"
 
 

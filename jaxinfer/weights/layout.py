@@ -50,17 +50,12 @@ def hf_name(cfg: ModelConfig, path: tuple) -> str:
     return f"{pre}{_NORMS[rest[0]]}.weight"
 
 
-def _in_dims(path: tuple) -> int:
-    """How many trailing axes of a kernel are its input (the output projection reads heads x head_dim)."""
-    return 2 if path[-2] == "o" else 1
-
-
 def torch_shape(path: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The PyTorch-layout shape of a leaf of our `shape`: Linear weights are [out, in], flattened over heads."""
+    """The PyTorch-layout shape of a leaf of our `shape`: Linear weights are [out, in], flattened over heads (every
+    kernel's input is its last axis)."""
     if path[-1] != "kernel":
         return (shape[0], math.prod(shape[1:])) if path[-1] == "embedding" else (math.prod(shape),)
-    n = len(shape) - _in_dims(path)
-    return (math.prod(shape[:n]), math.prod(shape[n:]))
+    return (math.prod(shape[:-1]), shape[-1])
 
 
 def to_torch_layout(path: tuple, x: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -160,6 +161,17 @@ def test_step_updates_the_pools_in_place(loop, decode_only, t, s):
     assert not copies_of(hlo, eng.runner.kv[0][0].size), "the step copies a KV pool"
 
 
+def _kernel_slices(hlo: str, sizes: set[int]) -> list[str]:
+    """Lines of compiled HLO that dynamic-slice an array of one of these element counts."""
+    found = []
+    for ln in hlo.splitlines():
+        m = re.match(r"\s*(ROOT )?%(\S+) = f32\[([\d,]+)\]\S* (\S+)\(", ln)
+        if m and ("dynamic-slice" in m.group(2) or m.group(4) == "dynamic-slice"):
+            if int(np.prod([int(n) for n in m.group(3).split(",")])) in sizes:
+                found.append(ln.strip()[:160])
+    return found
+
+
 @pytest.mark.parametrize("decode_only, t, s", [(True, 1, 1), (False, 16, 4)])
 def test_scanned_step_reads_the_kernels_in_place(decode_only, t, s):
     """The scan's MLP matmuls read each layer's kernel where it lives: no dynamic slice of an MLP kernel in the
@@ -167,12 +179,24 @@ def test_scanned_step_reads_the_kernels_in_place(decode_only, t, s):
     intermediate size of 72 gives the MLP kernels an element count nothing else in the step has."""
     eng = _engine("scan", num_pages=41, intermediate_size=72)
     hlo = _compiled_step(eng, decode_only, t, s)
-    kernel_sizes = {32 * 72}  # gate, up and down
-    slices = []
-    for ln in hlo.splitlines():
-        m = re.match(r"\s*(ROOT )?%(\S+) = f32\[([\d,]+)\]\S* (\S+)\(", ln)
-        if m and ("dynamic-slice" in m.group(2) or m.group(4) == "dynamic-slice"):
-            if int(np.prod([int(n) for n in m.group(3).split(",")])) in kernel_sizes:
-                slices.append(ln.strip()[:160])
+    slices = _kernel_slices(hlo, {32 * 72})  # gate, up and down
     assert not slices, "the step slices kernels out of a stack:\n" + "\n".join(slices)
     assert 32 * 72 in {w.size for w in eng.runner.weights}  # the MLP kernels: the step's weights, one per layer
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the one-row form is XLA:CPU's (layers.project)")
+def test_one_row_step_reads_the_attention_kernels_in_place():
+    """A batch-1 decode step reads each layer's attention kernels out of their stacks inside the one-row dot that
+    XLA:CPU fuses (`jaxinfer.model.layers.project`): every slice of a stacked kernel sits in a fused computation
+    with its dot; none is copied out first (copied, then Eigen's GEMV: the projections ran at ~19 GB/s; fused,
+    split over the cores: ~33). A hidden size of 40 gives the kernels element counts nothing else has."""
+    eng = _engine("scan", num_pages=41, hidden_size=40, intermediate_size=72)
+    hlo = _compiled_step(eng, True, 1, 1)
+    sizes = {4 * 8 * 40, 2 * 8 * 40}  # q and o; k and v
+    sliced = [c for c in hlo.split("\n\n") if _kernel_slices(c, sizes)]
+    assert len(sliced) == 4, f"expected the q, k, v and o slices each in a fusion, found {len(sliced)}"
+    for comp in sliced:
+        assert re.search(r" dot\(", comp), "a kernel is sliced out of its stack apart from its dot:\n" + comp[:600]
+        # The fused dot reads its vector through the operand's shape: the attention output f32[1, H, Dh] ran the o
+        # projection 3x slower than f32[1, H*Dh] (kernels_pallas.ragged_cpu declares its result flat).
+        assert "f32[1,4,8]{2,1,0} parameter" not in comp, "the o projection reads heads x head_dim:\n" + comp[:600]
