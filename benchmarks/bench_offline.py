@@ -33,6 +33,7 @@ import os
 import random
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -245,10 +246,19 @@ def make_jaxinfer(args: argparse.Namespace, max_model_len: int) -> JaxEngine:
     return JaxEngine("jaxinfer", llm.engine, generate_llm, time.perf_counter() - t0, llm.close)
 
 
-def run_jaxinfer(
-    args: argparse.Namespace, workloads: dict[str, list[Request]], check: list[Request]
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from jaxinfer.engine.runner import compile_count, kv_bytes_per_token
+@dataclass
+class JaxRun:
+    """A loaded, warmed-up jaxinfer engine that times the workloads once per round (`time_round`)."""
+
+    je: JaxEngine
+    probe: EngineProbe
+    warmup_s: float
+    warmup_compiles: int
+    rss_loaded: float
+
+
+def start_jaxinfer(args: argparse.Namespace, workloads: dict[str, list[Request]]) -> JaxRun:
+    from jaxinfer.engine.runner import compile_count
 
     max_model_len = args.max_model_len or max(len(p) + m for reqs in workloads.values() for p, m in reqs)
     max_model_len = -(-max_model_len // args.block_size) * args.block_size
@@ -265,8 +275,14 @@ def run_jaxinfer(
     je.generate([([1, 2, 3, 4], 2)], args.temperature)
     warmup_s, warmup_compiles = time.perf_counter() - t0, compile_count() - c0
     print(f"{je.label}: warm-up {warmup_s:.1f}s ({warmup_compiles} compilations)", flush=True)
+    return JaxRun(je, EngineProbe(engine), warmup_s, warmup_compiles, rss_loaded)
 
-    probe = EngineProbe(engine)
+
+def time_round(run: JaxRun, args: argparse.Namespace, workloads: dict[str, list[Request]], rnd: int) -> list[dict]:
+    """One timed pass over every workload: a row each."""
+    from jaxinfer.engine.runner import compile_count, kv_bytes_per_token
+
+    je, engine, probe = run.je, run.je.engine, run.probe
     page_bytes = kv_bytes_per_token(engine.cfg) * engine.cc.block_size
     rows = []
     for name, reqs in workloads.items():
@@ -282,10 +298,10 @@ def run_jaxinfer(
             raise RuntimeError(f"{name}: requests {bad[:5]} did not produce exactly max_tokens tokens")
         steps = engine.num_steps - steps0
         rows.append(
-            _row(name, je.label, reqs, elapsed)
+            _row(name, je.label, reqs, elapsed, rnd)
             | dict(
-                load_s=je.load_s, warmup_s=warmup_s, warmup_compiles=warmup_compiles, compiles=compiles, steps=steps,
-                max_batch=probe.max_batch, mixed_steps=probe.mixed_steps, mixed_s=probe.mixed_s,
+                load_s=je.load_s, warmup_s=run.warmup_s, warmup_compiles=run.warmup_compiles, compiles=compiles,
+                steps=steps, max_batch=probe.max_batch, mixed_steps=probe.mixed_steps, mixed_s=probe.mixed_s,
                 mixed_tokens=probe.mixed_tokens, decode_steps=probe.decode_steps, decode_s=probe.decode_s,
                 host_s=elapsed - probe.mixed_s - probe.decode_s,  # outside engine.step: output processing
                 decode_step_ms=probe.decode_s / probe.decode_steps * 1e3 if probe.decode_steps else None,
@@ -293,14 +309,19 @@ def run_jaxinfer(
                 peak_kv_frac=probe.peak_pages / engine.allocator.num_pages,
                 peak_kv_mib=probe.peak_pages * page_bytes / 2**20, temperature=args.temperature,
                 load_avg=[load0, load_avg()], first_tokens=[o[:64] for o in outs[: args.check_prompts]],
-                peak_rss_mib=peak_rss_mib(), peak_rss_after_load_mib=rss_loaded,
+                peak_rss_mib=peak_rss_mib(), peak_rss_after_load_mib=run.rss_loaded,
             )
         )  # fmt: skip
         print(f"{je.label} {name}: {rows[-1]['output_tok_s']:.1f} output tok/s ({elapsed:.1f}s)", flush=True)
-    # Greedy tokens of the check prompts, run alone, for the agreement check with the references.
+    return rows
+
+
+def finish_jaxinfer(run: JaxRun, check: list[Request]) -> dict[str, Any]:
+    """Greedy tokens of the check prompts, run alone (the agreement check with the references); frees the engine."""
+    je = run.je
     check_tokens = [je.generate([(p, min(m, 32))], 0.0)[0] for p, m in check]
     je.close()
-    return rows, dict(label=je.label, check_tokens=check_tokens, warmup_s=warmup_s, load_s=je.load_s)
+    return dict(label=je.label, check_tokens=check_tokens, warmup_s=run.warmup_s, load_s=je.load_s)
 
 
 def peak_rss_mib() -> float:
@@ -308,10 +329,10 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _row(workload: str, engine: str, reqs: list[Request], elapsed: float) -> dict[str, Any]:
+def _row(workload: str, engine: str, reqs: list[Request], elapsed: float, rnd: int) -> dict[str, Any]:
     prompt_tokens, output_tokens = sum(len(p) for p, _ in reqs), sum(m for _, m in reqs)
     return dict(
-        workload=workload, engine=engine, requests=len(reqs), prompt_tokens=prompt_tokens,
+        workload=workload, engine=engine, round=rnd, requests=len(reqs), prompt_tokens=prompt_tokens,
         output_tokens=output_tokens, elapsed_s=elapsed, output_tok_s=output_tokens / elapsed,
         total_tok_s=(prompt_tokens + output_tokens) / elapsed, requests_per_s=len(reqs) / elapsed,
     )  # fmt: skip
@@ -321,7 +342,7 @@ def _row(workload: str, engine: str, reqs: list[Request], elapsed: float) -> dic
 
 
 def run_reference(
-    engine: str, args: argparse.Namespace, workloads: dict[str, list[Request]], tmp: Path, notes: list[str]
+    engine: str, args: argparse.Namespace, workloads: dict[str, list[Request]], tmp: Path, notes: list[str], rnd: int
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     python = sys.executable if engine == "hf" else args.llamacpp_python
     missing = references.hf_missing() if engine == "hf" else None
@@ -372,7 +393,7 @@ def run_reference(
         if w["output_lens"] != [m for _, m in reqs]:
             notes.append(f"{engine} {name}: output lengths differ from max_tokens")
         rows.append(
-            _row(name, engine, reqs, w["elapsed_s"])
+            _row(name, engine, reqs, w["elapsed_s"], rnd)
             | dict(load_s=res["load_s"], warmup_s=res["warmup_s"], load_avg=[load0, load_avg()],
                    first_tokens=w["first_tokens"], **{k: w[k] for k in ("decoded_tokens", "decode_calls") if k in w},
                    peak_rss_mib=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
@@ -393,18 +414,37 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 # --- output --------------------------------------------------------------------------------------------
 
 
+def _jaxinfer_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(r["workload"], r["round"]): r for r in rows if r["engine"].startswith("jaxinfer")}
+
+
 def throughput_table(rows: list[dict[str, Any]]) -> str:
-    base = {r["workload"]: r for r in rows if r["engine"].startswith("jaxinfer")}
-    headers = ["workload", "engine", "reqs", "prompt_tok", "out_tok", "time_s", "out_tok/s", "total_tok/s", "req/s",
-               "jaxinfer_vs"]  # fmt: skip
+    """A row per engine, workload and round; `jaxinfer_vs` against jaxinfer's row of the same workload and round."""
+    base = _jaxinfer_rows(rows)
+    rounds = len({r["round"] for r in rows}) > 1
+    headers = ["workload", *(["round"] if rounds else []), "engine", "reqs", "prompt_tok", "out_tok", "time_s",
+               "out_tok/s", "total_tok/s", "req/s", "jaxinfer_vs"]  # fmt: skip
     body = []
     for r in rows:
-        j = base.get(r["workload"])
+        j = base.get((r["workload"], r["round"]))
         ratio = "-" if j is None or j is r else f"{j['output_tok_s'] / r['output_tok_s']:.2f}x"
-        body.append([r["workload"], r["engine"], str(r["requests"]), str(r["prompt_tokens"]), str(r["output_tokens"]),
-                     f"{r['elapsed_s']:.2f}", f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
-                     f"{r['requests_per_s']:.2f}", ratio])  # fmt: skip
+        body.append([r["workload"], *([str(r["round"])] if rounds else []), r["engine"], str(r["requests"]),
+                     str(r["prompt_tokens"]), str(r["output_tokens"]), f"{r['elapsed_s']:.2f}",
+                     f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}", f"{r['requests_per_s']:.2f}",
+                     ratio])  # fmt: skip
     return format_table(headers, body)
+
+
+def ratio_table(rows: list[dict[str, Any]]) -> str:
+    """jaxinfer's output tok/s over each reference's, per round (the two ran back to back) and their median."""
+    base = _jaxinfer_rows(rows)
+    pairs: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        j = base.get((r["workload"], r["round"]))
+        if j is not None and j is not r:
+            pairs.setdefault((r["workload"], r["engine"]), []).append(j["output_tok_s"] / r["output_tok_s"])
+    body = [[w, e, " ".join(f"{x:.2f}x" for x in v), f"{statistics.median(v):.2f}x"] for (w, e), v in pairs.items()]
+    return format_table(["workload", "vs engine", "per round", "median"], body)
 
 
 def jaxinfer_table(rows: list[dict[str, Any]]) -> str:
@@ -430,7 +470,8 @@ def write_plot(rows: list[dict[str, Any]], path: Path, title: str) -> str:
     width = 0.8 / len(engines)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(workloads) * len(engines) ** 0.5), 4))
     for k, eng in enumerate(engines):
-        vals = {r["workload"]: r["output_tok_s"] for r in rows if r["engine"] == eng}
+        per = {w: [r["output_tok_s"] for r in rows if r["engine"] == eng and r["workload"] == w] for w in workloads}
+        vals = {w: statistics.median(v) for w, v in per.items() if v}  # the median over rounds
         xs = [i + (k - (len(engines) - 1) / 2) * width for i in range(len(workloads))]
         ax.bar(xs, [vals.get(w, 0.0) for w in workloads], width, label=eng)
     ax.set_xticks(range(len(workloads)), workloads)
@@ -487,6 +528,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=32, help="hf: requests per generate() call")
     p.add_argument("--llamacpp-seqs", type=int, default=64, help="llamacpp: concurrent sequences (n_seq_max)")
     p.add_argument("--check-prompts", type=int, default=2, help="prompts for the greedy agreement check")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every engine this many times, alternating (jaxinfer, then each reference): the "
+                        "ratios of back-to-back runs, and their median, resist a shared machine's drift")  # fmt: skip
     p.add_argument("--reference-timeout", type=float, default=0, help="seconds per reference process (0: none)")
     p.add_argument("--llamacpp-python", default=sys.executable,
                    help="interpreter for the llama.cpp references (e.g. a venv with a llama-cpp-python rebuilt for "
@@ -517,6 +561,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.references = refs
     if args.scale < 1:
         p.error("--scale must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     return args
 
 
@@ -538,17 +584,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = next(iter(workloads.values()))
     check = first[: args.check_prompts]
 
-    rows, jax_info = run_jaxinfer(args, workloads, check)
-    refs: dict[str, dict[str, Any]] = {}
     if args.references and args.shape:
         notes.append("references skipped: --shape runs random weights, which the references cannot load")
         args.references = []
+    # Rounds alternate the engines (jaxinfer, then each reference), so a shared machine's slow spell falls on all
+    # of them; the references reload in a child process each round, jaxinfer stays loaded.
+    run, rows = start_jaxinfer(args, workloads), []
+    refs: dict[str, dict[str, Any]] = {}  # each reference's first round's results (its check tokens)
+    failed: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="bench_offline_") as tmp:
-        for engine in args.references:
-            ref_rows, res = run_reference(engine, args, workloads, Path(tmp), notes)
-            rows += ref_rows
-            if res is not None:
-                refs[engine] = res
+        for rnd in range(1, args.rounds + 1):
+            rows += time_round(run, args, workloads, rnd)
+            for engine in (e for e in args.references if e not in failed):
+                ref_rows, res = run_reference(engine, args, workloads, Path(tmp), notes, rnd)
+                rows += ref_rows
+                if res is None:
+                    failed.add(engine)
+                else:
+                    refs.setdefault(engine, res)
+    jax_info = finish_jaxinfer(run, check)
 
     checks: dict[str, Any] = {}
     if "hf" in refs:
@@ -561,12 +615,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.defaults and "hf" in refs:
         # Greedy everywhere: the batched workload's own tokens must agree too (first 64 of each checked request).
         for name in workloads:
-            got = {r["engine"]: r["first_tokens"] for r in rows if r["workload"] == name}
+            got = {r["engine"]: r["first_tokens"] for r in rows if r["workload"] == name and r["round"] == 1}
             for eng in (jax_info["label"], "llamacpp"):
                 if eng in got and "hf" in got:
                     checks[f"{eng} vs hf, {name} workload batched"] = agreement(got[eng], got["hf"])
     print("\n== offline throughput (jaxinfer_vs: jaxinfer output tok/s / this engine's; > 1: jaxinfer faster)")
     print(throughput_table(rows))
+    if args.rounds > 1:
+        print(f"\n== jaxinfer's ratio to each reference, round by round, and the median of {args.rounds} rounds")
+        print(ratio_table(rows))
     print("\n== peak RSS (MiB; references: the largest child process so far)")
     for r in rows:
         if r.get("peak_rss_mib"):

@@ -52,6 +52,16 @@ def _check_offline_json(res: dict, engine: str) -> None:
         assert 1 <= r["max_batch"] <= 4
 
 
+def test_offline_quick_tiny_shape_in_two_rounds(tmp_path: Path) -> None:
+    """--rounds times every workload once per round, on the same loaded engine (nothing compiles again)."""
+    out = tmp_path / "offline.json"
+    argv = ["--quick", "--shape", "tiny", "--dtype", "float32", "--rounds", "2", "--out", str(out)]
+    assert bench_offline.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["round"]) for r in rows] == [("nanovllm", 1), ("8/4", 1), ("nanovllm", 2), ("8/4", 2)]
+    assert all(r["compiles"] == 0 and r["output_tok_s"] > 0 for r in rows)
+
+
 def test_offline_quick_tiny_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "offline.json"
     assert bench_offline.main(["--quick", "--shape", "tiny", "--dtype", "float32", "--out", str(out)]) == 0
@@ -75,7 +85,7 @@ def test_missing_reference_is_skipped_with_a_note(
     monkeypatch.setattr(references, "llama_cpp_missing", lambda: "llama-cpp-python is not installed")
     args = bench_offline.parse_args(["--quick", "--references", "llamacpp"])
     notes: list[str] = []
-    rows, res = bench_offline.run_reference("llamacpp", args, {"w": [([1, 2], 2)]}, tmp_path, notes)
+    rows, res = bench_offline.run_reference("llamacpp", args, {"w": [([1, 2], 2)]}, tmp_path, notes, 1)
     assert rows == [] and res is None
     assert notes == ["llamacpp: skipped: llama-cpp-python is not installed"]
     assert "skipped" in capsys.readouterr().out
@@ -83,11 +93,21 @@ def test_missing_reference_is_skipped_with_a_note(
 
 def test_tables_and_agreement() -> None:
     rows = [
-        bench_offline._row("w", "jaxinfer", [([1] * 10, 5)], 2.0),
-        bench_offline._row("w", "hf", [([1] * 10, 5)], 4.0),
+        bench_offline._row("w", "jaxinfer", [([1] * 10, 5)], 2.0, 1),
+        bench_offline._row("w", "hf", [([1] * 10, 5)], 4.0, 1),
     ]
     table = bench_offline.throughput_table(rows)
     assert "2.00x" in table.splitlines()[-1]  # jaxinfer took half the time: twice the reference's tok/s
+    assert "round" not in table.splitlines()[0]  # one round: no round column
+    # A second round: each reference row is compared with jaxinfer's row of its own round; the median of the two.
+    rows += [
+        bench_offline._row("w", "jaxinfer", [([1] * 10, 5)], 3.0, 2),
+        bench_offline._row("w", "hf", [([1] * 10, 5)], 3.0, 2),
+    ]
+    lines = bench_offline.throughput_table(rows).splitlines()
+    assert "round" in lines[0] and lines[-1].rstrip().endswith("1.00x")
+    ratios = bench_offline.ratio_table(rows).splitlines()[-1].split()
+    assert ratios == ["w", "hf", "2.00x", "1.00x", "1.50x"]
     assert bench_offline.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == dict(
         equal=1, of=2, first_difference_at=[1]
     )
