@@ -34,3 +34,19 @@ def test_round_trip_through_jit(advanced):
     for want, have in zip(jax.tree.leaves((inp, st)), jax.tree.leaves(got), strict=True):
         assert np.asarray(want).dtype == np.asarray(have).dtype
         np.testing.assert_array_equal(np.asarray(want), np.asarray(have))
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.float64, np.int8, np.float16])
+def test_other_dtypes_are_refused_by_name(dtype):
+    """Only the four dtypes a step's inputs use pack; anything else is an error naming it, not a silent cast."""
+    with pytest.raises(TypeError, match=np.dtype(dtype).name):
+        to_flat({"ok": np.zeros(2, np.int32), "bad": np.zeros(3, dtype)})
+
+
+def test_layout_names_each_leaf_dtype_and_place():
+    seeds = np.full((2, 2), 2**32 - 1, np.uint32)
+    (ints, floats), layout = to_flat({"a": np.arange(3, dtype=np.float32), "b": np.array([True, False]), "c": seeds})
+    # (buffer: 0 int32, 1 float32; offset; shape; dtype name)
+    assert layout.leaves == ((1, 0, (3,), "float32"), (0, 0, (2,), "bool"), (0, 2, (2, 2), "uint32"))
+    np.testing.assert_array_equal(ints, [1, 0, -1, -1, -1, -1])
+    np.testing.assert_array_equal(floats, [0, 1, 2])
