@@ -418,6 +418,12 @@ def _jaxinfer_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str
     return {(r["workload"], r["round"]): r for r in rows if r["engine"].startswith("jaxinfer")}
 
 
+def _vs_jaxinfer(r: dict[str, Any], base: dict[tuple[str, int], dict[str, Any]]) -> float | None:
+    """jaxinfer's output tok/s over this reference row's, in the same workload and round (None: a jaxinfer row)."""
+    j = base.get((r["workload"], r["round"]))
+    return None if j is None or j is r else j["output_tok_s"] / r["output_tok_s"]
+
+
 def throughput_table(rows: list[dict[str, Any]]) -> str:
     """A row per engine, workload and round; `jaxinfer_vs` against jaxinfer's row of the same workload and round."""
     base = _jaxinfer_rows(rows)
@@ -426,8 +432,8 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
                "out_tok/s", "total_tok/s", "req/s", "jaxinfer_vs"]  # fmt: skip
     body = []
     for r in rows:
-        j = base.get((r["workload"], r["round"]))
-        ratio = "-" if j is None or j is r else f"{j['output_tok_s'] / r['output_tok_s']:.2f}x"
+        vs = _vs_jaxinfer(r, base)
+        ratio = "-" if vs is None else f"{vs:.2f}x"
         body.append([r["workload"], *([str(r["round"])] if rounds else []), r["engine"], str(r["requests"]),
                      str(r["prompt_tokens"]), str(r["output_tokens"]), f"{r['elapsed_s']:.2f}",
                      f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}", f"{r['requests_per_s']:.2f}",
@@ -440,9 +446,9 @@ def ratio_table(rows: list[dict[str, Any]]) -> str:
     base = _jaxinfer_rows(rows)
     pairs: dict[tuple[str, str], list[float]] = {}
     for r in rows:
-        j = base.get((r["workload"], r["round"]))
-        if j is not None and j is not r:
-            pairs.setdefault((r["workload"], r["engine"]), []).append(j["output_tok_s"] / r["output_tok_s"])
+        vs = _vs_jaxinfer(r, base)
+        if vs is not None:
+            pairs.setdefault((r["workload"], r["engine"]), []).append(vs)
     body = [[w, e, " ".join(f"{x:.2f}x" for x in v), f"{statistics.median(v):.2f}x"] for (w, e), v in pairs.items()]
     return format_table(["workload", "vs engine", "per round", "median"], body)
 
