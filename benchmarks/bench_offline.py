@@ -160,7 +160,9 @@ class EngineProbe:
         self.peak_pages = self.max_batch = 0
         self.mixed_steps = self.decode_steps = self.mixed_tokens = 0
         self.mixed_s = self.decode_s = 0.0
+        self.decode_rows = self.decode_bucket_rows = 0  # live rows of decode-only steps, and their buckets' rows
         self._decode_only: bool | None = None
+        self._rows = self._bucket_rows = 0
 
     def schedule(self) -> Any:
         batch = self._schedule()
@@ -169,6 +171,7 @@ class EngineProbe:
             self.max_batch = max(self.max_batch, len(batch))
             tokens = sum(s.num_new for s in batch)
             self._decode_only = tokens == len(batch)
+            self._rows, self._bucket_rows = len(batch), self.engine.runner.bucket_for(len(batch), tokens)[2]
             if not self._decode_only:
                 self.mixed_tokens += tokens
         return batch
@@ -181,6 +184,8 @@ class EngineProbe:
         if self._decode_only is True:
             self.decode_steps += 1
             self.decode_s += dt
+            self.decode_rows += self._rows
+            self.decode_bucket_rows += self._bucket_rows
         elif self._decode_only is False:
             self.mixed_steps += 1
             self.mixed_s += dt
@@ -305,6 +310,8 @@ def time_round(run: JaxRun, args: argparse.Namespace, workloads: dict[str, list[
                 mixed_tokens=probe.mixed_tokens, decode_steps=probe.decode_steps, decode_s=probe.decode_s,
                 host_s=elapsed - probe.mixed_s - probe.decode_s,  # outside engine.step: output processing
                 decode_step_ms=probe.decode_s / probe.decode_steps * 1e3 if probe.decode_steps else None,
+                decode_rows=probe.decode_rows / probe.decode_steps if probe.decode_steps else None,
+                decode_fill=probe.decode_rows / probe.decode_bucket_rows if probe.decode_bucket_rows else None,
                 peak_kv_pages=probe.peak_pages, kv_pages=engine.allocator.num_pages,
                 peak_kv_frac=probe.peak_pages / engine.allocator.num_pages,
                 peak_kv_mib=probe.peak_pages * page_bytes / 2**20, temperature=args.temperature,
@@ -455,11 +462,13 @@ def ratio_table(rows: list[dict[str, Any]]) -> str:
 
 def jaxinfer_table(rows: list[dict[str, Any]]) -> str:
     headers = ["workload", "steps", "max_B", "prefill_steps", "prefill_s", "decode_steps", "decode_s", "ms/decode",
-               "host_s", "peak_kv", "peak_kv_MiB", "compiles"]  # fmt: skip
+               "rows/decode", "host_s", "peak_kv", "peak_kv_MiB", "compiles"]  # fmt: skip
     body = [
         [r["workload"], str(r["steps"]), str(r["max_batch"]), str(r["mixed_steps"]), f"{r['mixed_s']:.1f}",
          str(r["decode_steps"]), f"{r['decode_s']:.1f}",
-         "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.1f}", f"{r['host_s']:.1f}",
+         "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.1f}",
+         "-" if r.get("decode_rows") is None else f"{r['decode_rows']:.1f} ({r['decode_fill']:.0%})",
+         f"{r['host_s']:.1f}",
          f"{r['peak_kv_pages']}/{r['kv_pages']} ({r['peak_kv_frac']:.0%})", f"{r['peak_kv_mib']:.0f}",
          str(r["compiles"])]
         for r in rows if r["engine"].startswith("jaxinfer")

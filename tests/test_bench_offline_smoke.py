@@ -50,6 +50,8 @@ def _check_offline_json(res: dict, engine: str) -> None:
         assert r["mixed_steps"] >= 1 and r["decode_steps"] >= 1
         assert r["mixed_steps"] + r["decode_steps"] == r["steps"]
         assert 1 <= r["max_batch"] <= 4
+        # Live rows of a decode step: at least one, at most the largest batch; the compiled bucket has at least as many.
+        assert 1 <= r["decode_rows"] <= r["max_batch"] and 0 < r["decode_fill"] <= 1
 
 
 def test_offline_quick_tiny_shape_in_two_rounds(tmp_path: Path) -> None:
