@@ -162,7 +162,7 @@ class EngineProbe:
         self.mixed_s = self.decode_s = 0.0
         self.decode_rows = self.decode_bucket_rows = 0  # live rows of decode-only steps, and their buckets' rows
         self._decode_only: bool | None = None
-        self._rows = self._bucket_rows = 0
+        self._rows = self._bucket_rows = 0  # the scheduled decode-only batch's live rows and its bucket's rows
 
     def schedule(self) -> Any:
         batch = self._schedule()
@@ -171,8 +171,9 @@ class EngineProbe:
             self.max_batch = max(self.max_batch, len(batch))
             tokens = sum(s.num_new for s in batch)
             self._decode_only = tokens == len(batch)
-            self._rows, self._bucket_rows = len(batch), self.engine.runner.bucket_for(len(batch), tokens)[2]
-            if not self._decode_only:
+            if self._decode_only:
+                self._rows, self._bucket_rows = len(batch), self.engine.runner.bucket_for(len(batch), tokens)[2]
+            else:
                 self.mixed_tokens += tokens
         return batch
 
@@ -467,7 +468,7 @@ def jaxinfer_table(rows: list[dict[str, Any]]) -> str:
         [r["workload"], str(r["steps"]), str(r["max_batch"]), str(r["mixed_steps"]), f"{r['mixed_s']:.1f}",
          str(r["decode_steps"]), f"{r['decode_s']:.1f}",
          "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.1f}",
-         "-" if r.get("decode_rows") is None else f"{r['decode_rows']:.1f} ({r['decode_fill']:.0%})",
+         "-" if r["decode_rows"] is None else f"{r['decode_rows']:.1f} ({r['decode_fill']:.0%})",
          f"{r['host_s']:.1f}",
          f"{r['peak_kv_pages']}/{r['kv_pages']} ({r['peak_kv_frac']:.0%})", f"{r['peak_kv_mib']:.0f}",
          str(r["compiles"])]

@@ -176,7 +176,7 @@ def run_hf(
 class LlamaCppBatch:
     """A llama.cpp model + context driven through the low-level batched API, greedy, continuous batching."""
 
-    def __init__(self, path: Path, n_ctx: int, n_seq_max: int, n_batch: int, threads: int, longest: int):
+    def __init__(self, path: Path, n_ctx: int, n_seq_max: int, n_batch: int, threads: int, unified: bool):
         import llama_cpp as lc
 
         self.lc = lc
@@ -189,11 +189,7 @@ class LlamaCppBatch:
         cp.n_ctx = n_ctx
         cp.n_batch = cp.n_ubatch = n_batch
         cp.n_seq_max = n_seq_max
-        # A KV stream per sequence when every request fits one (n_ctx / n_seq_max cells): with one unified pool,
-        # llama.cpp's attention for each token runs over every used cell of every sequence, masked (the 256-request
-        # workload: 30.6 output tok/s unified, 46.0 with a stream per sequence, back to back on a 2-core EPYC).
-        self.unified = n_ctx // n_seq_max < longest
-        cp.kv_unified = self.unified
+        cp.kv_unified = unified
         cp.type_k = cp.type_v = lc.GGML_TYPE_F32
         cp.n_threads = cp.n_threads_batch = threads
         cp.no_perf = True
@@ -288,7 +284,11 @@ def run_llamacpp(
         notes.append(f"f32 GGUF: {path}")
     longest = max(len(p) + n for reqs in workloads.values() for p, n in reqs)
     n_ctx = min(max(max_ctx, longest), n_seq_max * longest)
-    eng = LlamaCppBatch(path, n_ctx, n_seq_max, n_batch, threads, longest)
+    # A KV stream per sequence when every request fits one (n_ctx / n_seq_max cells): with one unified pool,
+    # llama.cpp's attention for each token runs over every used cell of every sequence, masked (the 256-request
+    # workload: 30.6 output tok/s unified, 46.0 with a stream per sequence, back to back on a 2-core EPYC).
+    unified = n_ctx // n_seq_max < longest
+    eng = LlamaCppBatch(path, n_ctx, n_seq_max, n_batch, threads, unified)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     eng.generate([([1, 2, 3, 4], 4)])
@@ -308,7 +308,7 @@ def run_llamacpp(
 
     notes.append(
         f"llama-cpp-python {llama_cpp.__version__}, {threads} threads, batched API: n_seq_max={n_seq_max}, "
-        f"n_batch={n_batch}, n_ctx={n_ctx} ({'unified KV' if eng.unified else 'a KV stream per sequence'}, f32), "
+        f"n_batch={n_batch}, n_ctx={n_ctx} ({'unified KV' if unified else 'a KV stream per sequence'}, f32), "
         "continuous batching"
     )
     return dict(engine="llamacpp-quant" if quantized else "llamacpp", load_s=load_s, warmup_s=warmup_s,
