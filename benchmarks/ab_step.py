@@ -13,6 +13,8 @@ as a real batch has) and the timed calls go round-robin over the variants,
 Variants (comma list; the first is the baseline):
 - `default`: the engine's step as built (`--layer-loop auto`);
 - `scan`, `unroll`: the other layer loop, in an engine of its own (its own weights and KV pool);
+- `separate_gate_up`: the scan with the MLP's gate and up kernels apart (`scanned.FUSE_GATE_UP` off while its
+  engine is built), in an engine of its own;
 - `no_attention`, `no_kv_write`, `argmax_sampler`: ablations, patched in at trace time: attention returns its
   queries, the K/V write leaves the pools as they are, the sampler is a plain argmax. What a part of the step
   costs is the baseline minus the ablation (an ablated step computes different tokens: timing only);
@@ -74,7 +76,7 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
             name, _, value = part[4:].partition("=")
             old = getattr(cpu, name)  # AttributeError names an unknown constant
             changes.append((cpu, name, type(old)(value)))
-        elif part not in ("default", *LOOPS):
+        elif part not in ("default", "separate_gate_up", *LOOPS):
             raise ValueError(f"--variants: unknown part {part!r}")
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in changes]
     try:
@@ -97,16 +99,23 @@ def context_lengths(context: str, batch: int) -> list[int]:
     return np.random.default_rng(1).integers(int(lo), int(hi) + 1, batch).tolist()
 
 
-def recorded_step(loop: str, batch: int, context: str | int, shape: str | None) -> tuple[Any, dict]:
+def recorded_step(
+    loop: str, batch: int, context: str | int, shape: str | None, fuse_gate_up: bool = True
+) -> tuple[Any, dict]:
     """An engine with this layer loop (the default model, or random weights at `shape`), `batch` rows decoding at
     ~`context` tokens (see `context_lengths`), and its last decode step's recorded `paged_step` arguments."""
+    from jaxinfer.model import scanned
     from jaxinfer.types import SamplingParams
 
     lengths = context_lengths(str(context), batch)
     longest = str(max(lengths))
     argv = ["--batch", str(batch), "--context", longest, "--layer-loop", loop, "--prefill-len", longest]
     args = bench_latency.parse_args(argv + (["--shape", shape, "--dtype", "float32"] if shape else []))
-    engine = bench_latency.build_engine(args)
+    saved, scanned.FUSE_GATE_UP = scanned.FUSE_GATE_UP, fuse_gate_up
+    try:
+        engine = bench_latency.build_engine(args)
+    finally:
+        scanned.FUSE_GATE_UP = saved
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_tokens=bench_latency.decode_tokens(args, batch), temperature=0.0, ignore_eos=True)
     for n in lengths:
@@ -166,14 +175,14 @@ def run_batch(batch: int, variants: list[str], args: argparse.Namespace) -> list
     from jaxinfer.engine.runner import AUTO_LAYER_LOOP
 
     default_loop = AUTO_LAYER_LOOP[jax.default_backend()]
-    engines: dict[str, tuple[Any, dict]] = {}
+    engines: dict[tuple[str, bool], tuple[Any, dict]] = {}
     runs = []
     for variant in variants:
         parts = variant.split("+")
-        loop = next((p for p in parts if p in LOOPS), default_loop)
-        if loop not in engines:
-            engines[loop] = recorded_step(loop, batch, args.context, args.shape)
-        runs.append(compiled_variant(*engines[loop], parts)[0])
+        key = (next((p for p in parts if p in LOOPS), default_loop), "separate_gate_up" not in parts)
+        if key not in engines:
+            engines[key] = recorded_step(*key[:1], batch, args.context, args.shape, fuse_gate_up=key[1])
+        runs.append(compiled_variant(*engines[key], parts)[0])
     for run in runs:  # warm: first calls touch fresh buffers
         run()
         run()

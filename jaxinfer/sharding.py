@@ -35,6 +35,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None),
     ("head_dim", None),
     ("norm", None),
+    ("fused", None),  # the pair axis of a fused gate/up kernel (layers.GatedMLP)
     # KV pools
     ("pages", None),
     ("page_slot", None),

@@ -18,7 +18,7 @@ from kernels_pallas import cpu, ragged_cpu
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the cpu.* variant tunes the CPU attention")
 def test_paired_run_writes_a_row_per_variant(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
-    variants = "default,no_attention+argmax_sampler,impl=cpu_jnp+cpu.DECODE_KV_CHUNK_TOKENS=32"
+    variants = "default,no_attention+argmax_sampler,impl=cpu_jnp+cpu.DECODE_KV_CHUNK_TOKENS=32,separate_gate_up"
     argv = ["--shape", "tiny", "--batch", "2", "--context", "16-24", "--rounds", "2", "--variants", variants,
             "--out", str(out)]  # fmt: skip
     assert ab_step.main(argv) == 0
@@ -56,6 +56,16 @@ def test_each_variant_compiles_its_own_program() -> None:
     assert text["default"].count(" dot(") > text["no_attention+no_kv_write"].count(" dot(")  # attention's dots
     if jax.default_backend() == "cpu":  # the numba attention kernel, or the jnp loops in its place
         assert ragged_cpu.TARGET in text["default"] and ragged_cpu.TARGET not in text["impl=cpu_jnp"]
+
+
+def test_separate_gate_up_builds_an_engine_without_the_fusion() -> None:
+    from jaxinfer.model import scanned
+
+    fused, _ = ab_step.recorded_step("scan", 2, 24, "tiny")
+    apart, _ = ab_step.recorded_step("scan", 2, 24, "tiny", fuse_gate_up=False)
+    assert scanned.FUSE_GATE_UP  # restored after the build
+    # gate/up one kernel per layer against two
+    assert len(apart.runner.weights) == len(fused.runner.weights) + fused.cfg.num_layers
 
 
 def test_context_range_is_seeded_and_checked() -> None:

@@ -143,6 +143,17 @@ class Linear(nnx.Module):
         out_axes = axes[: len(out_shape)]
         self.bias = param(rngs, nnx.initializers.normal(std), out_shape, out_axes, dtype) if bias else None
 
+    @classmethod
+    def of(cls, kernel: jax.Array, num_in: int, axes: tuple[str, ...], bias: jax.Array | None = None) -> Linear:
+        """A Linear holding these arrays: kernel f[*out, *in], bias f[*out] (built abstract, nothing drawn)."""
+        out_shape, in_shape = kernel.shape[: kernel.ndim - num_in], kernel.shape[kernel.ndim - num_in :]
+        lin = nnx.eval_shape(lambda: cls(out_shape, in_shape, axes, bias=bias is not None, dtype=kernel.dtype,
+                                         rngs=nnx.Rngs(0)))  # fmt: skip
+        lin.kernel.set_value(kernel)
+        if bias is not None:
+            lin.bias.set_value(bias)
+        return lin
+
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.kernel[...]
         y = w.project(x, self.num_in) if isinstance(w, LayerSelect) else project(x, w, self.num_in)
@@ -158,7 +169,11 @@ def activation(name: str, x: jax.Array) -> jax.Array:
 
 
 class GatedMLP(nnx.Module):
-    """SwiGLU / GeGLU: down(act(gate(x)) * up(x)). x f[B, T, D]."""
+    """SwiGLU / GeGLU: down(act(gate(x)) * up(x)). x f[B, T, D].
+
+    `fuse_projections` puts gate and up into one kernel f[2, F, D] (`gate_up`): one matmul instead of two, the
+    layout the CPU engine's scanned layers run (`jaxinfer.model.scanned`). Under tensor parallelism the pair axis
+    stays whole and F splits, so every shard holds its gate rows beside their up rows."""
 
     def __init__(self, dim: int, hidden: int, act: str, use_bias: bool, *, dtype, std: float, rngs: nnx.Rngs):
         self.act = act
@@ -166,8 +181,25 @@ class GatedMLP(nnx.Module):
         self.gate = Linear((hidden,), (dim,), ("mlp", "embed"), bias=use_bias, **kw)
         self.up = Linear((hidden,), (dim,), ("mlp", "embed"), bias=use_bias, **kw)
         self.down = Linear((dim,), (hidden,), ("embed", "mlp"), bias=use_bias, **kw)
+        self.gate_up: Linear | None = nnx.data(None)  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """gate and up -> gate_up (copies); `unfuse_projections` is the inverse."""
+        kernel = jnp.stack([self.gate.kernel[...], self.up.kernel[...]])
+        bias = None if self.gate.bias is None else jnp.stack([self.gate.bias[...], self.up.bias[...]])
+        self.gate_up = Linear.of(kernel, 1, ("fused", "mlp", "embed"), bias)
+        self.gate = self.up = None
+
+    def unfuse_projections(self) -> None:
+        kernel, bias = self.gate_up.kernel[...], self.gate_up.bias
+        self.gate, self.up = (Linear.of(kernel[i], 1, ("mlp", "embed"), None if bias is None else bias[...][i])
+                              for i in range(2))  # fmt: skip
+        self.gate_up = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.gate_up is not None:
+            y = self.gate_up(x)  # f[B, T, 2, F]
+            return self.down(activation(self.act, y[..., 0, :]) * y[..., 1, :])
         return self.down(activation(self.act, self.gate(x)) * self.up(x))
 
 

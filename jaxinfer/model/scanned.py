@@ -14,7 +14,8 @@ step 1.16x faster than the stacked scan, and this scan runs it as fast as unroll
 attention projections stay stacked: switching over them too gained nothing measurable and doubled the matmuls a
 serialized step holds (a warm start loaded its 40 steps in 4.5-5.0 s instead of 2.3-2.4 s). At one row they are
 read in place all the same: XLA:CPU fuses the slice into the one-row dot (`jaxinfer.model.layers.project`), which
-a switch's branch cannot do. Norm scales and biases are small and stay stacked.
+a switch's branch cannot do. Norm scales and biases are small and stay stacked. Gate and up become one kernel
+f[2, F, D] per layer (`FUSE_GATE_UP`): one matmul where there were two; `unstacked_state` gives them back apart.
 
 The KV cache is one object for all layers, carried through the loop: `attend` receives the layer index as a
 traced int32 and the whole cache, and returns the whole cache (the engine writes the layer's K/V in place into
@@ -33,6 +34,11 @@ from flax import nnx
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
 from jaxinfer.model.layers import LayerSelect, rope_tables
 from jaxinfer.model.transformer import AttentionFn, Transformer
+
+# Gate and up as one kernel per layer (`GatedMLP.fuse_projections`). Measured on XLA:CPU (benchmarks/README.md,
+# fused projections): 1.02-1.06x a batched decode step, 1.02-1.03x a 512-token prefill step; fusing q, k and v as
+# well measured 0.97-1.03x, so they stay apart. A module constant so an A/B can build an engine without it.
+FUSE_GATE_UP = True
 
 
 def scan_unsupported(cfg: ModelConfig) -> str | None:
@@ -55,15 +61,21 @@ class ScannedTransformer(nnx.Module):
     object (see the module docstring)."""
 
     def __init__(self, model: Transformer):
-        """Stacks `model`'s block parameters (copies, freed with the caller's model), except the MLP kernels (kept)."""
+        """Stacks `model`'s block parameters (copies, freed with the caller's model), except the MLP kernels (kept;
+        gate and up fused into one, a copy, under `FUSE_GATE_UP`)."""
         reason = scan_unsupported(model.config)
         if reason is not None:
             raise ValueError(f"layer_loop='scan': this model cannot scan its layers: {reason}")
         self.config = model.config
         self.embedder, self.final_norm, self.lm_head = model.embedder, model.final_norm, model.lm_head
-        graphdef = nnx.graphdef(model.layers[0])
+        blocks = list(model.layers)
+        if FUSE_GATE_UP:
+            blocks = [nnx.clone(block) for block in blocks]  # the caller's model keeps its own layout
+            for block in blocks:
+                block.mlp.fuse_projections()
+        graphdef = nnx.graphdef(blocks[0])
         flat = []
-        for entries in zip(*(nnx.to_flat_state(nnx.state(block)) for block in model.layers), strict=True):
+        for entries in zip(*(nnx.to_flat_state(nnx.state(block)) for block in blocks), strict=True):
             path, first = entries[0]
             values = tuple(v.get_value() for _, v in entries)
             flat.append((path, first.replace(values if _per_layer(path) else jnp.stack(values))))
@@ -100,7 +112,12 @@ class ScannedTransformer(nnx.Module):
         """The weights in the family's own layout (`Transformer`'s state; the stacked parameters' slices are
         copies), for the reference paths that run the unrolled model on a contiguous cache."""
         flat = [(path, v) for path, v in nnx.to_flat_state(nnx.state(self)) if path[0] != "layers"]
-        for path, v in nnx.to_flat_state(nnx.state(self.layers)):
-            value = v.get_value()  # a tuple of per-layer kernels, or a stacked array
-            flat += [(("layers", i, *path), v.replace(value[i])) for i in range(self.config.num_layers)]
+        graphdef, state = nnx.split(self.layers)
+        layers = list(nnx.to_flat_state(state))
+        for i in range(self.config.num_layers):
+            # Layer i's slice of each stacked array, or its own kernel out of a tuple.
+            block = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(v.get_value()[i])) for p, v in layers]))
+            if block.mlp.gate_up is not None:
+                block.mlp.unfuse_projections()
+            flat += [(("layers", i, *path), v) for path, v in nnx.to_flat_state(nnx.state(block))]
         return nnx.from_flat_state(flat)

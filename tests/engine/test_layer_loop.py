@@ -53,12 +53,16 @@ def _work() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-@pytest.mark.parametrize("num_pages", [40, 14])  # 14: too small for all at once, so requests are preempted
-def test_scan_equals_unroll(num_pages):
+@pytest.mark.parametrize(
+    "num_pages, biases",
+    [(40, {}), (14, {}), (40, dict(mlp_bias=True, qkv_bias=True))],  # 14: too small for all at once: preemptions
+)
+def test_scan_equals_unroll(num_pages, biases):
+    """The scan runs gate/up fused (scanned.FUSE_GATE_UP), bias included; unrolled layers keep them apart."""
     prompts, params = _work()
     runs = {}
     for loop in ("scan", "unroll"):
-        eng = _engine(loop, num_pages)
+        eng = _engine(loop, num_pages, **biases)
         assert eng.runner.layer_loop == loop
         outs = [o[0] for o in eng.generate(prompts, params)]
         runs[loop] = outs
@@ -72,12 +76,14 @@ def test_scan_equals_unroll(num_pages):
         assert sum(r.num_preemptions for r in runs["scan"]) > 0
 
 
-def test_scanned_pools_are_stacked_and_the_family_layout_comes_back():
-    eng = _engine("scan")
+@pytest.mark.parametrize("biases", [{}, dict(mlp_bias=True)])
+def test_scanned_pools_are_stacked_and_the_family_layout_comes_back(biases):
+    """The scan's own layout (stacked pools and weights, gate/up fused) gives back the family's exactly."""
+    eng = _engine("scan", **biases)
     ((k, v),), cfg = eng.runner.kv, eng.runner.cfg
     assert eng.runner.kv == [(k, v)]
     assert k.shape == v.shape == (cfg.num_layers * 40, 4, cfg.num_kv_heads, cfg.head_dim)  # layer l: pages l*40..
-    unrolled = _engine("unroll")
+    unrolled = _engine("unroll", **biases)
     want = dict(unrolled.runner.params.flat_state())
     got = dict(eng.runner.family_params().flat_state())
     assert set(got) == set(want)
@@ -179,9 +185,10 @@ def test_scanned_step_reads_the_kernels_in_place(decode_only, t, s):
     intermediate size of 72 gives the MLP kernels an element count nothing else in the step has."""
     eng = _engine("scan", num_pages=41, intermediate_size=72)
     hlo = _compiled_step(eng, decode_only, t, s)
-    slices = _kernel_slices(hlo, {32 * 72})  # gate, up and down
+    slices = _kernel_slices(hlo, {2 * 32 * 72, 32 * 72})  # gate/up fused, and down
     assert not slices, "the step slices kernels out of a stack:\n" + "\n".join(slices)
-    assert 32 * 72 in {w.size for w in eng.runner.weights}  # the MLP kernels: the step's weights, one per layer
+    sizes = [w.size for w in eng.runner.weights]  # the MLP kernels are the step's weights, one of each per layer
+    assert sizes.count(2 * 32 * 72) == sizes.count(32 * 72) == 3
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the one-row form is XLA:CPU's (layers.project)")
