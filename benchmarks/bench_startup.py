@@ -81,8 +81,11 @@ def start_once(serve_args: list[str], env: dict[str, str], log: Path, timeout: f
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_startup", description=__doc__.split("\n")[0])
     p.add_argument("--serve-args", default="", help="flags for serve.py, one string (default: none)")
-    p.add_argument("--runs", default="cold,warm,warm-noexec,warm",
-                   help="which starts, in order (default: cold,warm,warm-noexec,warm)")
+    p.add_argument(
+        "--runs",
+        default="cold,warm,warm-noexec,warm",
+        help="which starts, in order (default: cold,warm,warm-noexec,warm)",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for /health (default: 1800)")
     p.add_argument("--out", default=None, help="JSON file for the results (default: none)")
     return p.parse_args(argv)
