@@ -49,7 +49,9 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
     if dp > 1:
         engine = DataParallelEngine(cfg, params, mesh, cache, eos, args.attn_impl, args.seed, args.overlap_scheduling)
     else:
-        engine = Engine(cfg, params, cache, eos, args.attn_impl, args.seed, mesh, args.overlap_scheduling)
+        # Weights loaded here are the engine's alone: it may free what it copies (a user's module stays whole).
+        engine = Engine(cfg, params, cache, eos, args.attn_impl, args.seed, mesh, args.overlap_scheduling,
+                        donate_params=not isinstance(params, nnx.Module))  # fmt: skip
         if jax.process_count() > 1:
             from jaxinfer.distributed import attach_followers
 

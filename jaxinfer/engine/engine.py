@@ -56,9 +56,11 @@ class Engine:
         seed: int | None = None,
         mesh: Mesh | None = None,
         overlap: bool = True,
+        donate_params: bool = False,
     ):
         """overlap: dispatch step N+1 before reading step N's tokens (they feed N+1 on the device), so the host's
-        work on N's results runs while the device computes. Outputs are the same either way; off helps debugging."""
+        work on N's results runs while the device computes. Outputs are the same either way; off helps debugging.
+        donate_params: the caller gives `params` up (see ModelRunner): `build_engine` does, for weights it loaded."""
         cache = cache or CacheConfig()
         if cache.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -67,7 +69,7 @@ class Engine:
         if cache.max_logprobs > cfg.vocab_size:
             raise ValueError(f"max_logprobs: {cache.max_logprobs} exceeds the vocabulary size {cfg.vocab_size}")
         self.cfg, self.cc = cfg, cache
-        self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh)
+        self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh, donate_params)
         self.allocator = PageAllocator(self.runner.num_pages, cache.block_size, cache.enable_prefix_caching)
         pin_cap = cache.session_cache_pages if cache.session_cache_pages is not None else self.runner.num_pages // 4
         self.sessions = SessionStore(self.allocator, min(pin_cap, self.runner.num_pages), cache.session_ttl)

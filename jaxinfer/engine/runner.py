@@ -273,9 +273,12 @@ class ModelRunner:
         cache: CacheConfig,
         attn_impl: str | None = None,
         mesh: Mesh | None = None,
+        donate_params: bool = False,
     ):
         """`params`: a family's nnx state, or any module following jaxinfer.model.protocol. On a mesh, it must
-        already be placed on it (see jaxinfer.weights.load_weights(mesh=...)) and `cfg` be the config it fits."""
+        already be placed on it (see jaxinfer.weights.load_weights(mesh=...)) and `cfg` be the config it fits.
+        `donate_params`: the caller gives `params` up; arrays the runner copies into its own layout are deleted
+        (`ScannedTransformer(donate=True)`)."""
         self.cfg, self.cc, self.attn_impl, self.mesh = cfg, cache, attn_impl, mesh
         sized = size_pool(cfg, cache, mesh)
         self.num_pages = sized.num_pages
@@ -291,7 +294,11 @@ class ModelRunner:
         if self.layer_loop == "scan":
             from jaxinfer.model.transformer import merge
 
-            params = ScannedTransformer(params if isinstance(params, nnx.Module) else merge(cfg, params))
+            model = params if isinstance(params, nnx.Module) else merge(cfg, params)
+            params = ScannedTransformer(model, donate=donate_params)
+            del model
+            if donate_params:
+                release_freed_memory()  # the deleted arrays' heap back to the OS before the pool is allocated
             shape = (cfg.num_layers * shape[0], *shape[1:])  # one pool pair for all layers, carried through the loop
         log.info("layer loop: %s (%s)", self.layer_loop, why_loop)
         # Split once: the steps take the weights as a flat list and merge inside (jaxinfer.model.functional).

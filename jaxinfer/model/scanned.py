@@ -60,9 +60,11 @@ class ScannedTransformer(nnx.Module):
     a tuple of the L layers' arrays. Same weights, same outputs; `__call__` takes the KV cache of all layers as one
     object (see the module docstring)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, donate: bool = False):
         """Stacks `model`'s block parameters (copies, freed with the caller's model), except the MLP kernels (kept;
-        gate and up fused into one, a copy, under `FUSE_GATE_UP`)."""
+        gate and up fused into one, a copy, under `FUSE_GATE_UP`). `donate`: the caller gives up `model`'s block
+        arrays, and each one copied is deleted here, so the copies do not double the weights' memory until the
+        caller lets go (the engine's own loaded weights, whose KV pool is allocated next)."""
         reason = scan_unsupported(model.config)
         if reason is not None:
             raise ValueError(f"layer_loop='scan': this model cannot scan its layers: {reason}")
@@ -80,6 +82,11 @@ class ScannedTransformer(nnx.Module):
             values = tuple(v.get_value() for _, v in entries)
             flat.append((path, first.replace(values if _per_layer(path) else jnp.stack(values))))
         self.layers = nnx.merge(graphdef, nnx.from_flat_state(flat))
+        if donate:
+            kept = {id(x) for x in jax.tree.leaves(nnx.state(self.layers))}
+            for x in jax.tree.leaves(nnx.state(model.layers)):
+                if id(x) not in kept:
+                    x.delete()
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: Any, attend: AttentionFn):
         """tokens, positions i32[B, T]; `attend(layer i32[], q, k, v, kv_cache) -> (out, kv_cache)`.

@@ -9,6 +9,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import CacheConfig, EngineArgs
@@ -89,6 +90,27 @@ def test_scanned_pools_are_stacked_and_the_family_layout_comes_back(biases):
     assert set(got) == set(want)
     for path, var in want.items():
         np.testing.assert_array_equal(np.asarray(got[path][...]), np.asarray(var[...]))
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_scan_frees_what_it_copies_only_when_given_the_weights(donate):
+    """`donate_params` (build_engine, for weights it loaded): the block arrays copied into the scan's layout (stacked
+    attention weights, gate and up) are deleted, before the KV pool is allocated; those the scan reads in place
+    (down, embedding) stay. Without it (a caller's own weights) nothing of the caller's is touched."""
+    cfg = ModelConfig(**CFG)
+    params = init_params(cfg, seed=3, std=0.3)
+    cc = CacheConfig(block_size=4, num_pages=40, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                     layer_loop="scan")  # fmt: skip
+    eng = Engine(cfg, params, cc, donate_params=donate)
+    flat = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(params)}
+    deleted = {name for name, x in flat.items() if x.is_deleted()}
+    copied = {name for name in flat if "/attn/" in name or "/mlp/gate/" in name or "/mlp/up/" in name
+              or name.endswith("_norm/scale") and name.startswith("layers/")}  # fmt: skip
+    assert deleted == (copied if donate else set())
+    assert not flat["layers/0/mlp/down/kernel"].is_deleted() and not flat["embedder/embedding"].is_deleted()
+    prompts, sps = _work()
+    want = [o[0].output_token_ids for o in _engine("unroll").generate(prompts, sps)]
+    assert [o[0].output_token_ids for o in eng.generate(prompts, sps)] == want
 
 
 def test_page_copies_round_trip_on_stacked_pools():
