@@ -36,8 +36,9 @@ from jaxinfer.model.layers import LayerSelect, rope_tables
 from jaxinfer.model.transformer import AttentionFn, Transformer
 
 # Gate and up as one kernel per layer (`GatedMLP.fuse_projections`). Measured on XLA:CPU (benchmarks/README.md,
-# fused projections): 1.02-1.06x a batched decode step, 1.02-1.03x a 512-token prefill step; fusing q, k and v as
-# well measured 0.97-1.03x, so they stay apart. A module constant so an A/B can build an engine without it.
+# gate and up as one kernel): 1.01-1.03x a decode step of 8-128 rows, equal at one row, 1.015-1.03x a 512-token
+# prefill step; q, k and v fused measured 0.97-1.03x, so they stay apart. A module constant so an A/B
+# (`ab_step --variants separate_gate_up`) can build an engine without it.
 FUSE_GATE_UP = True
 
 
