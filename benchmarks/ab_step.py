@@ -13,8 +13,8 @@ as a real batch has) and the timed calls go round-robin over the variants,
 Variants (comma list; the first is the baseline):
 - `default`: the engine's step as built (`--layer-loop auto`);
 - `scan`, `unroll`: the other layer loop, in an engine of its own (its own weights and KV pool);
-- `separate_gate_up`: the scan with the MLP's gate and up kernels apart (`scanned.FUSE_GATE_UP` off while its
-  engine is built), in an engine of its own;
+- `separate_gate_up`: the scan with the MLP's gate and up kernels apart (`scanned.FUSE_GATE_UP` off, patched in
+  while its engine is built), in an engine of its own;
 - `no_attention`, `no_kv_write`, `argmax_sampler`: ablations, patched in at trace time: attention returns its
   queries, the K/V write leaves the pools as they are, the sampler is a plain argmax. What a part of the step
   costs is the baseline minus the ablation (an ablated step computes different tokens: timing only);
@@ -59,6 +59,7 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
     """The variant's trace-time changes, undone on exit."""
     import kernels_pallas
     from jaxinfer.engine import runner
+    from jaxinfer.model import scanned
     from kernels_pallas import cpu
 
     changes: list[tuple[Any, str, Any]] = []
@@ -69,6 +70,8 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
             changes.append((kernels_pallas, "write_kv", lambda kp, vp, *_: (kp, vp)))
         elif part == "argmax_sampler":
             changes.append((runner, "sample", _argmax_sample))
+        elif part == "separate_gate_up":  # read when an engine is built (run_batch), not at trace time
+            changes.append((scanned, "FUSE_GATE_UP", False))
         elif part.startswith("impl="):
             if part[5:] not in kernels_pallas.IMPLS:
                 raise ValueError(f"--variants: {part!r}: expected one of {kernels_pallas.IMPLS}")
@@ -76,7 +79,7 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
             name, _, value = part[4:].partition("=")
             old = getattr(cpu, name)  # AttributeError names an unknown constant
             changes.append((cpu, name, type(old)(value)))
-        elif part not in ("default", "separate_gate_up", *LOOPS):
+        elif part not in ("default", *LOOPS):
             raise ValueError(f"--variants: unknown part {part!r}")
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in changes]
     try:
@@ -99,23 +102,16 @@ def context_lengths(context: str, batch: int) -> list[int]:
     return np.random.default_rng(1).integers(int(lo), int(hi) + 1, batch).tolist()
 
 
-def recorded_step(
-    loop: str, batch: int, context: str | int, shape: str | None, fuse_gate_up: bool = True
-) -> tuple[Any, dict]:
+def recorded_step(loop: str, batch: int, context: str | int, shape: str | None) -> tuple[Any, dict]:
     """An engine with this layer loop (the default model, or random weights at `shape`), `batch` rows decoding at
     ~`context` tokens (see `context_lengths`), and its last decode step's recorded `paged_step` arguments."""
-    from jaxinfer.model import scanned
     from jaxinfer.types import SamplingParams
 
     lengths = context_lengths(str(context), batch)
     longest = str(max(lengths))
     argv = ["--batch", str(batch), "--context", longest, "--layer-loop", loop, "--prefill-len", longest]
     args = bench_latency.parse_args(argv + (["--shape", shape, "--dtype", "float32"] if shape else []))
-    saved, scanned.FUSE_GATE_UP = scanned.FUSE_GATE_UP, fuse_gate_up
-    try:
-        engine = bench_latency.build_engine(args)
-    finally:
-        scanned.FUSE_GATE_UP = saved
+    engine = bench_latency.build_engine(args)
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_tokens=bench_latency.decode_tokens(args, batch), temperature=0.0, ignore_eos=True)
     for n in lengths:
@@ -175,14 +171,16 @@ def run_batch(batch: int, variants: list[str], args: argparse.Namespace) -> list
     from jaxinfer.engine.runner import AUTO_LAYER_LOOP
 
     default_loop = AUTO_LAYER_LOOP[jax.default_backend()]
-    engines: dict[tuple[str, bool], tuple[Any, dict]] = {}
+    engines: dict[tuple[str, ...], tuple[Any, dict]] = {}
     runs = []
     for variant in variants:
         parts = variant.split("+")
-        key = (next((p for p in parts if p in LOOPS), default_loop), "separate_gate_up" not in parts)
-        if key not in engines:
-            engines[key] = recorded_step(*key[:1], batch, args.context, args.shape, fuse_gate_up=key[1])
-        runs.append(compiled_variant(*engines[key], parts)[0])
+        loop = next((p for p in parts if p in LOOPS), default_loop)
+        built_as = tuple(p for p in parts if p == "separate_gate_up")  # the parts that change the engine's build
+        if (loop, *built_as) not in engines:
+            with patched(built_as):
+                engines[loop, *built_as] = recorded_step(loop, batch, args.context, args.shape)
+        runs.append(compiled_variant(*engines[loop, *built_as], parts)[0])
     for run in runs:  # warm: first calls touch fresh buffers
         run()
         run()

@@ -62,7 +62,8 @@ def test_separate_gate_up_builds_an_engine_without_the_fusion() -> None:
     from jaxinfer.model import scanned
 
     fused, _ = ab_step.recorded_step("scan", 2, 24, "tiny")
-    apart, _ = ab_step.recorded_step("scan", 2, 24, "tiny", fuse_gate_up=False)
+    with ab_step.patched(["separate_gate_up"]):
+        apart, _ = ab_step.recorded_step("scan", 2, 24, "tiny")
     assert scanned.FUSE_GATE_UP  # restored after the build
     # gate/up one kernel per layer against two
     assert len(apart.runner.weights) == len(fused.runner.weights) + fused.cfg.num_layers

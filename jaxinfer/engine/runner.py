@@ -296,7 +296,6 @@ class ModelRunner:
 
             model = params if isinstance(params, nnx.Module) else merge(cfg, params)
             params = ScannedTransformer(model, donate=donate_params)
-            del model
             if donate_params:
                 release_freed_memory()  # the deleted arrays' heap back to the OS before the pool is allocated
             shape = (cfg.num_layers * shape[0], *shape[1:])  # one pool pair for all layers, carried through the loop
