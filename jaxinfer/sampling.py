@@ -1,8 +1,16 @@
 """On-device sampling with per-row (per-request) parameters, vectorised over the rows of one step.
 
 `sample` runs inside the engine's jitted step on the logits of each sequence's last token, f32[S, V]. Every
-parameter is a per-row array, so any mix of requests reuses one compiled program; only `advanced` (penalties and
-logit bias, which need the token history), `num_logprobs` and `topk_cap` are static.
+parameter is a per-row array, so any mix of requests reuses one compiled program; only `advanced`, `num_logprobs`
+and `topk_cap` are static. The host picks the variant per step (`needs_advanced`):
+    - basic: greedy, temperature, min-p and the seed: what plain requests use. Its program holds no conditional
+      on GPU, where XLA reads a conditional's predicate on the host and the host waits there for the whole forward
+      before it can launch the rest (2.7 ms of a 0.6B batch-1 step on an H200): there the draw always runs and
+      greedy rows select the argmax. CPU and TPU evaluate predicates on the device itself, so they skip the draw
+      when every row is greedy (exp over [S, V] costs milliseconds on CPU).
+    - advanced: also logit bias, penalties (they need the token history), top-k/top-p and logprobs. Each of these
+      runs under a conditional, skipped when no row of the step uses it: a sort-free top-k over a large vocabulary
+      is not free on any backend.
 
 Processing order, as vLLM v1 does it (vllm/v1/sample/sampler.py and the GPU model runner's sampler):
     1. logprobs are taken from the raw model logits (vLLM's default logprobs_mode="raw_logprobs");
@@ -93,16 +101,25 @@ class RowSampling:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: bool = True  # whether this row needs logprobs (the engine clears it for rows that did not ask)
+    logprobs: bool = False  # whether this row needs logprobs
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def truncates(self) -> bool:
+        """Top-k or top-p on a sampled row (greedy rows ignore them)."""
+        return self.temperature >= SAMPLING_EPS and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def advanced(self) -> bool:
+        return self.has_penalties or bool(self.logit_bias) or self.truncates or self.logprobs
+
 
 def needs_advanced(rows: list[RowSampling]) -> bool:
-    """Whether any row needs the advanced variant (penalties or logit bias)."""
-    return any(r.has_penalties or r.logit_bias for r in rows)
+    """Whether any row needs the advanced variant: penalties, logit bias, top-k/top-p or logprobs."""
+    return any(r.advanced for r in rows)
 
 
 def build_sampling_tensors(
@@ -116,7 +133,7 @@ def build_sampling_tensors(
     if len(rows) > num_rows:
         raise ValueError(f"rows: {len(rows)} rows do not fit num_rows={num_rows}")
     if not advanced and needs_advanced(rows):
-        raise ValueError("rows: penalties or logit_bias need advanced=True")
+        raise ValueError("rows: penalties, logit_bias, top_k/top_p or logprobs need advanced=True")
     temp = np.zeros(num_rows, np.float32)  # padding rows are greedy: they never trigger the top-k/top-p path
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
@@ -172,7 +189,9 @@ def sample(
     logits: f32[S, V] (any float dtype; computed in f32) of each row's last token.
     st: the rows' parameters, already validated (SamplingParams' job): temperature >= 0, top_p in (0, 1],
         min_p in [0, 1], repetition_penalty > 0.
-    advanced: apply logit bias and penalties (st must then carry the history and bias arrays).
+    advanced: the variant with logit bias, penalties (st must then carry the history and bias arrays), top-k/top-p
+        and logprobs. The basic variant reads only temperature, min_p, seeds and counter: `build_sampling_tensors`
+        refuses rows that need more, and its logprobs are zeros.
     num_logprobs, vLLM's `logprobs`: None = no logprobs; 0 = the sampled token's logprob only; k = also the top k.
         Logprobs are the log-softmax of the raw model logits, before bias, penalties, temperature and truncation,
         so a token forbidden by a -inf bias can still be listed with a finite logprob.
@@ -182,30 +201,47 @@ def sample(
     num_rows, vocab = raw.shape
     if num_logprobs is not None and not 0 <= num_logprobs <= vocab:
         raise ValueError(f"num_logprobs must be None or in [0, {vocab}], got {num_logprobs}")
-
-    x = process_logits(raw, st) if advanced else raw
+    k = num_logprobs or 0
+    skipped = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, k), jnp.int32), jnp.zeros((num_rows, k)))
     greedy = st.temperature < SAMPLING_EPS  # bool[S]
-    greedy_ids = _argmax_rows(x)
+
+    if not advanced:
+        token_ids = lax.platform_dependent(
+            raw, st, greedy, cpu=_pick_skipping_draw, tpu=_pick_skipping_draw, default=_pick_always_drawing
+        )
+        return SampleOutput(token_ids, *skipped)
+
+    x = process_logits(raw, st)
     drawn = lax.cond(
         jnp.any(~greedy),
-        partial(_draw, topk_cap=topk_cap),
+        partial(_draw, truncate=True, topk_cap=topk_cap),
         lambda x, st, greedy: jnp.zeros(num_rows, jnp.int32),  # an all-greedy step skips the draw entirely
         x,
         st,
         greedy,
     )
-    token_ids = jnp.where(greedy, greedy_ids, drawn)
-
+    token_ids = jnp.where(greedy, _argmax_rows(x), drawn)
     if num_logprobs is None:
-        empty = jnp.zeros((num_rows, 0), jnp.float32)
-        return SampleOutput(token_ids, jnp.zeros(num_rows, jnp.float32), empty.astype(jnp.int32), empty)
-    k = num_logprobs
+        return SampleOutput(token_ids, *skipped)
     if st.want_logprobs is None:
         return SampleOutput(token_ids, *compute_logprobs(raw, token_ids, k))
     # Skipped at run time when no row asked: a top-k over a 262k vocabulary is not free on CPU.
-    skipped = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, k), jnp.int32), jnp.zeros((num_rows, k)))
     lps = lax.cond(jnp.any(st.want_logprobs), lambda: compute_logprobs(raw, token_ids, k), lambda: skipped)
     return SampleOutput(token_ids, *lps)
+
+
+def _pick_skipping_draw(x: jax.Array, st: SamplingTensors, greedy: jax.Array) -> jax.Array:
+    """The basic variant where a conditional is evaluated on the device (CPU, TPU): an all-greedy step skips the
+    draw. x f32[S, V] raw logits, greedy bool[S] -> i32[S]."""
+    zeros = jnp.zeros(x.shape[0], jnp.int32)
+    drawn = lax.cond(jnp.any(~greedy), partial(_draw, truncate=False), lambda *_: zeros, x, st, greedy)
+    return jnp.where(greedy, _argmax_rows(x), drawn)
+
+
+def _pick_always_drawing(x: jax.Array, st: SamplingTensors, greedy: jax.Array) -> jax.Array:
+    """The basic variant without a conditional (GPU: see the module's docstring); the same tokens as
+    `_pick_skipping_draw`, row for row."""
+    return jnp.where(greedy, _argmax_rows(x), _draw(x, st, greedy, truncate=False))
 
 
 def compute_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -247,17 +283,20 @@ def _apply_penalties(x: jax.Array, st: SamplingTensors) -> jax.Array:
     return x - st.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
 
 
-def _draw(x: jax.Array, st: SamplingTensors, greedy: jax.Array, *, topk_cap: int) -> jax.Array:
-    """Steps 5-8 for the non-greedy rows: x f32[S, V] processed logits, greedy bool[S] -> i32[S]."""
+def _draw(
+    x: jax.Array, st: SamplingTensors, greedy: jax.Array, *, truncate: bool, topk_cap: int = TOPK_CAP
+) -> jax.Array:
+    """Steps 5-8 for the non-greedy rows: x f32[S, V] processed logits, greedy bool[S] -> i32[S]. Without
+    `truncate` (the basic variant) top-k and top-p are not applied."""
     vocab = x.shape[1]
     x = x / jnp.where(greedy, 1.0, st.temperature)[:, None]
     # min-p: keep p >= min_p * p_max, i.e. logit >= max + log(min_p); log(0) = -inf keeps everything.
     floor = jnp.max(x, axis=-1) + jnp.log(st.min_p)  # f32[S]
     x = jnp.where(x >= floor[:, None], x, _NEG_INF)
-    k_on = (st.top_k > 0) & (st.top_k < vocab)
-    p_on = st.top_p < 1.0
-    truncate = ~greedy & (k_on | p_on)  # bool[S]
-    x = lax.cond(jnp.any(truncate), partial(_truncate, topk_cap=topk_cap), lambda x, *_: x, x, st, truncate)
+    if truncate:
+        k_on = (st.top_k > 0) & (st.top_k < vocab)
+        rows = ~greedy & (k_on | (st.top_p < 1.0))  # bool[S]
+        x = lax.cond(jnp.any(rows), partial(_truncate, topk_cap=topk_cap), lambda x, *_: x, x, st, rows)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(st.seeds, st.counter)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # f32[S] in [0, 1)
     return _inverse_cdf(x, u)

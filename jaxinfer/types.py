@@ -119,16 +119,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def needs_advanced(self) -> bool:
-        """Penalties or biases: these need the token history and bias tables on device."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or bool(self.logit_bias)
-            or self.min_tokens > 0
-        )
-
 
 class Status(enum.Enum):
     WAITING = "waiting"

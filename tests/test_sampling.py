@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from functools import partial
 
 import jax
 import numpy as np
@@ -20,6 +21,7 @@ from jaxinfer.sampling import (
     process_logits,
     sample,
 )
+from tests.control_flow import host_synced_control_flow
 
 try:
     from scipy import stats
@@ -95,6 +97,13 @@ def _rows(n: int, **params) -> list[RowSampling]:
     return [RowSampling(**{"seed": i, **params}) for i in range(n)]
 
 
+def _tokens(logits: np.ndarray, rows: list[RowSampling], topk_cap: int = TOPK_CAP) -> np.ndarray:
+    """Sampled tokens of `rows` in the variant the engine picks for them (`needs_advanced`)."""
+    advanced = needs_advanced(rows)
+    st = build_sampling_tensors(rows, len(rows), HIST, BIAS, advanced)
+    return np.asarray(_sample(logits, st, advanced=advanced, num_logprobs=None, topk_cap=topk_cap).token_ids)
+
+
 # ---------------------------------------------------------------------------------------------- distributions
 
 CONFIGS = {  # temperature, top_k, top_p, min_p
@@ -119,11 +128,9 @@ def test_distribution(name: str, topk_cap: int):
         nudged = ref_probs(LOGITS12, temperature, top_k, top_p + dp if top_p < 1 else 1.0, min_p + dp if min_p else 0.0)
         assert np.array_equal(probs > 0, nudged > 0)
     n = 20000
-    st = build_sampling_tensors(
-        _rows(n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, counter=5), n, HIST, BIAS, False
-    )
-    out = _sample(np.tile(LOGITS12, (n, 1)), st, advanced=False, num_logprobs=None, topk_cap=topk_cap)
-    assert_frequencies(np.asarray(out.token_ids), probs)
+    rows = _rows(n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, counter=5)
+    assert needs_advanced(rows) == (top_k > 0 or top_p < 1)  # the basic variant has no truncation
+    assert_frequencies(_tokens(np.tile(LOGITS12, (n, 1)), rows, topk_cap), probs)
 
 
 def test_order_is_vllm():
@@ -140,9 +147,7 @@ def test_distribution_over_counters():
     """One seed, successive counters: the draws of one request follow the distribution too."""
     n = 20000
     rows = [RowSampling(temperature=1.0, top_k=4, seed=42, counter=c) for c in range(n)]
-    st = build_sampling_tensors(rows, n, HIST, BIAS, False)
-    out = _sample(np.tile(LOGITS12, (n, 1)), st, advanced=False, num_logprobs=None, topk_cap=TOPK_CAP)
-    assert_frequencies(np.asarray(out.token_ids), ref_probs(LOGITS12, 1.0, 4))
+    assert_frequencies(_tokens(np.tile(LOGITS12, (n, 1)), rows), ref_probs(LOGITS12, 1.0, 4))
 
 
 @pytest.mark.parametrize(
@@ -159,9 +164,7 @@ def test_distribution_across_blocks(params: dict):
     logits[ids] = [0.5, 1.4, -0.3, 1.0, 0.2, 1.6, -1.0, 0.8, 1.1]
     tokens = []
     for counter in range(reps):
-        st = build_sampling_tensors(_rows(n, counter=counter, **params), n, HIST, BIAS, False)
-        out = _sample(np.tile(logits, (n, 1)), st, advanced=False, num_logprobs=None, topk_cap=4)
-        tokens.append(np.asarray(out.token_ids))
+        tokens.append(_tokens(np.tile(logits, (n, 1)), _rows(n, counter=counter, **params), topk_cap=4))
     full = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **params}
     assert_frequencies(np.concatenate(tokens), ref_probs(logits, **full))
 
@@ -206,15 +209,18 @@ def test_greedy_and_mixed_rows():
     ]
     argmax = np.argmax(lg, axis=-1)
     assert argmax[3] == 20 and argmax[5] == 999 and argmax[7] == 0
-    got = np.asarray(
-        _sample(lg, build_sampling_tensors(rows, S8, HIST, BIAS, False), advanced=False, num_logprobs=20).token_ids
-    )
+    got = _tokens(lg, rows)
     np.testing.assert_array_equal(got[[0, 1, 2, 3, 4, 5, 7]], argmax[[0, 1, 2, 3, 4, 5, 7]])
     assert got[6] in np.argsort(-lg[6])[:2]
-    # All rows greedy takes the no-draw branch and gives the same tokens.
+    # All rows greedy takes the no-draw branch, in both variants, and gives the same tokens; so does the basic
+    # variant's form without a conditional (what a GPU runs).
     greedy = [RowSampling(temperature=0.0)] * S8
-    got = _sample(lg, build_sampling_tensors(greedy, S8, HIST, BIAS, False), advanced=False, num_logprobs=20)
-    np.testing.assert_array_equal(np.asarray(got.token_ids), argmax)
+    for advanced in (False, True):
+        got = _sample(lg, build_sampling_tensors(greedy, S8, HIST, BIAS, advanced), advanced=advanced, num_logprobs=20)
+        np.testing.assert_array_equal(np.asarray(got.token_ids), argmax)
+    st = build_sampling_tensors(greedy, S8, HIST, BIAS, False)
+    always = jax.jit(sampling._pick_always_drawing)(lg, st, st.temperature < sampling.SAMPLING_EPS)
+    np.testing.assert_array_equal(np.asarray(always), argmax)
 
 
 # ---------------------------------------------------------------------------------------------- batch invariance
@@ -247,29 +253,41 @@ def _with_penalties(row: RowSampling, i: int) -> RowSampling:
     )
 
 
-def _neighbour(rng: np.random.Generator, advanced: bool) -> RowSampling:
-    kind = rng.integers(0, 6)
-    params = [
+def _neighbour(rng: np.random.Generator, variant: str) -> RowSampling:
+    kinds = [
         dict(temperature=0.0),
         dict(temperature=float(rng.uniform(0.2, 2.0))),
+        dict(temperature=1.0, min_p=float(rng.uniform(0.0, 0.5))),
         dict(temperature=1.0, top_k=int(rng.integers(1, 600))),
         dict(temperature=1.0, top_p=float(rng.uniform(0.3, 1.0))),
         dict(temperature=1.0, min_p=float(rng.uniform(0.0, 0.5)), top_p=0.999),
         dict(temperature=0.5, top_k=400, top_p=0.97),
-    ][kind]
+    ]
+    params = kinds[rng.integers(0, 3 if variant == "basic" else len(kinds))]
     row = RowSampling(seed=int(rng.integers(0, 2**32)), counter=int(rng.integers(0, 1000)), **params)
-    if advanced and rng.integers(0, 2):
+    if variant == "penalties" and rng.integers(0, 2):
         row.repetition_penalty, row.frequency_penalty = 1.5, 0.5
         row.prompt_ids, row.output_ids = rng.integers(0, V1000, 30).tolist(), rng.integers(0, V1000, 20).tolist()
         row.logit_bias = {int(t): -float("inf") for t in rng.integers(0, V1000, 5)}
     return row
 
 
-@pytest.mark.parametrize("advanced", [False, True], ids=["basic", "advanced"])
-def test_batch_invariance(advanced: bool):
+def _variant_targets(variant: str) -> list[RowSampling]:
+    if variant == "basic":
+        return [r for r in TARGETS if not r.truncates] + [
+            RowSampling(temperature=0.5, seed=21, counter=4),
+            RowSampling(temperature=1.7, seed=22),
+            RowSampling(temperature=1.3, min_p=0.2, seed=23, counter=2**31 - 1),
+        ]
+    return [_with_penalties(r, i) for i, r in enumerate(TARGETS)] if variant == "penalties" else TARGETS
+
+
+@pytest.mark.parametrize("variant", ["basic", "truncation", "penalties"])
+def test_batch_invariance(variant: str):
     """A row's token depends on its logits, parameters, seed and counter only: not on the batch size, its row
     index or its neighbours' parameters (which switch the all-greedy, truncation and bisection branches)."""
-    targets = [_with_penalties(r, i) for i, r in enumerate(TARGETS)] if advanced else TARGETS
+    advanced = variant != "basic"
+    targets = _variant_targets(variant)
     lg = _logits(1, len(targets))
 
     def run(rows: list[RowSampling], logits: np.ndarray) -> np.ndarray:
@@ -277,17 +295,58 @@ def test_batch_invariance(advanced: bool):
         return np.asarray(_sample(logits, st, advanced=advanced, num_logprobs=20).token_ids)
 
     alone = np.array([run([r], lg[i : i + 1])[0] for i, r in enumerate(targets)])
-    assert len(set(alone.tolist())) > 4 and np.sum(alone != np.argmax(lg, -1)) >= 4  # the draws are not trivial
+    assert len(set(alone.tolist())) > len(targets) // 2 and np.sum(alone != np.argmax(lg, -1)) >= len(targets) // 2
     np.testing.assert_array_equal(run(targets, lg), alone)
     rng = np.random.default_rng(2)
     for _ in range(2):
         size = 48
         pos = rng.permutation(size)[: len(targets)]
-        rows = [_neighbour(rng, advanced) for _ in range(size)]
+        rows = [_neighbour(rng, variant) for _ in range(size)]
         logits = _logits(int(rng.integers(1 << 30)), size)
         for i, p in enumerate(pos):
             rows[p], logits[p] = targets[i], lg[i]
         np.testing.assert_array_equal(run(rows, logits)[pos], alone)
+
+
+def test_basic_rows_draw_the_same_in_every_variant_and_form():
+    """Greedy, temperature and min-p rows: the basic variant (as CPU and TPU run it, skipping the draw when all rows
+    are greedy, and as a GPU runs it, always drawing) and the advanced variant beside truncating neighbours give
+    the same tokens: which program a step runs never changes a row's token."""
+    targets = _variant_targets("basic")
+    rng = np.random.default_rng(3)
+    size = 24
+    pos = rng.permutation(size)[: len(targets)]
+    rows = [_neighbour(rng, "basic") for _ in range(size)]
+    logits = _logits(4, size)
+    for i, p in enumerate(pos):
+        rows[p] = targets[i]
+    st = build_sampling_tensors(rows, size, HIST, BIAS, False)
+    basic = np.asarray(_sample(logits, st, advanced=False, num_logprobs=None).token_ids)
+    always = np.asarray(jax.jit(sampling._pick_always_drawing)(logits, st, st.temperature < sampling.SAMPLING_EPS))
+    np.testing.assert_array_equal(always, basic)
+    assert np.sum(basic != np.argmax(logits, -1)) >= size // 3  # the draws are not trivial
+    with_truncation = rows + [RowSampling(temperature=1.0, top_k=5, top_p=0.9, seed=1)]
+    adv = build_sampling_tensors(with_truncation, size + 1, HIST, BIAS, True)
+    advanced = _sample(np.concatenate([logits, _logits(5, 1)]), adv, advanced=True, num_logprobs=20).token_ids
+    np.testing.assert_array_equal(np.asarray(advanced)[:size], basic)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "cpu", "tpu"])
+def test_basic_variant_has_no_host_synced_branch_on_gpu(platform: str):
+    """XLA:GPU reads a conditional's predicate on the host, which then waits for the whole forward before it can
+    launch the rest: the basic variant lowered for a GPU holds no data-dependent conditional or loop. CPU and TPU
+    evaluate predicates on the device and keep the one that skips the draw of an all-greedy step."""
+    st = build_sampling_tensors(_rows(4, temperature=0.5), 4, HIST, BIAS, False)
+    basic = jax.jit(partial(sample, advanced=False, num_logprobs=20)).trace(_logits(0, 4), st)
+    found = host_synced_control_flow(basic.lower(lowering_platforms=(platform,)))
+    if platform in ("cuda", "rocm"):
+        assert found == []
+    else:  # (and their threefry lowering loops over its rounds: a loop on the device too)
+        assert [f for f in found if "while" not in f] == ["stablehlo.case at jit(sample)/cond/branch_0_fun/cond"]
+    # The checker sees the advanced variant's conditionals (penalties, draw, truncation, logprobs) on a GPU too.
+    st = build_sampling_tensors(_rows(4, temperature=0.5), 4, HIST, BIAS, True)
+    advanced = jax.jit(partial(sample, advanced=True, num_logprobs=20)).trace(_logits(0, 4), st)
+    assert len(host_synced_control_flow(advanced.lower(lowering_platforms=(platform,)))) >= 4
 
 
 # ---------------------------------------------------------------------------------------------- penalties and bias
@@ -356,25 +415,26 @@ def test_neg_inf_bias_forbids_tokens():
 # ---------------------------------------------------------------------------------------------- logprobs
 
 
-@pytest.mark.parametrize("advanced", [False, True], ids=["basic", "advanced"])
-def test_logprobs_are_raw(advanced: bool):
+@pytest.mark.parametrize("penalties", [False, True], ids=["plain", "penalties"])
+def test_logprobs_are_raw(penalties: bool):
     lg = _logits(5, S8)
     rows = [
-        RowSampling(temperature=t, top_k=k, seed=i)
+        RowSampling(temperature=t, top_k=k, seed=i, logprobs=True)
         for i, (t, k) in enumerate(zip([0, 1, 0.5, 2] * 2, [0, 3] * 4, strict=True))
     ]
+    assert needs_advanced([RowSampling(logprobs=True)])  # logprobs are the advanced variant's
     top = int(np.argmax(lg[1]))
-    if advanced:  # bias and penalties change the draw, never the logprobs
+    if penalties:  # bias and penalties change the draw, never the logprobs
         rows[1].logit_bias = {top: -float("inf")}
         rows[2].repetition_penalty, rows[2].prompt_ids = 3.0, list(range(50))
-    out = _sample(lg, build_sampling_tensors(rows, S8, HIST, BIAS, advanced), advanced=advanced, num_logprobs=20)
+    out = _sample(lg, build_sampling_tensors(rows, S8, HIST, BIAS, True), advanced=True, num_logprobs=20)
     want = np.asarray(jax.nn.log_softmax(lg, axis=-1))
     tokens = np.asarray(out.token_ids)
     np.testing.assert_allclose(np.asarray(out.logprobs), want[np.arange(S8), tokens], rtol=1e-6, atol=1e-6)
     order = np.argsort(-lg, axis=-1, kind="stable")[:, :20]
     np.testing.assert_array_equal(np.asarray(out.top_ids), order)
     np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(want, order, -1), rtol=1e-6, atol=1e-6)
-    if advanced:  # the forbidden token is still listed first, with its raw logprob, but was not drawn
+    if penalties:  # the forbidden token is still listed first, with its raw logprob, but was not drawn
         assert tokens[1] != top and out.top_ids[1, 0] == top
 
 
@@ -403,12 +463,14 @@ def test_compiles_once_per_variant():
     lg = _logits(6, S8, vocab=300)
     mixes = [
         [RowSampling(temperature=0.0)] * 3,
-        [RowSampling(temperature=0.7, top_k=5, seed=1), RowSampling(top_p=0.5, min_p=0.1), RowSampling(0.0)],
-        [RowSampling(temperature=1.0, top_k=290, top_p=0.99, seed=2**32 - 1, counter=17)] * S8,
+        [RowSampling(temperature=0.7, min_p=0.1, seed=1), RowSampling(0.0)],
         _rows(S8, temperature=1.3),
     ]
     penalties = dict(repetition_penalty=1.2, frequency_penalty=0.5, prompt_ids=[1, 2], output_ids=[2, 2, 3])
     advanced_mixes = mixes + [
+        [RowSampling(temperature=0.7, top_k=5, seed=1), RowSampling(top_p=0.5, min_p=0.1), RowSampling(0.0)],
+        [RowSampling(temperature=1.0, top_k=290, top_p=0.99, seed=2**32 - 1, counter=17)] * S8,
+        [RowSampling(temperature=0.0, logprobs=True)],
         [RowSampling(temperature=0.0, logit_bias={5: -float("inf")})],
         [RowSampling(temperature=0.9, seed=3, presence_penalty=0.3, output_ids=[7]), RowSampling(**penalties)],
     ]
@@ -446,7 +508,7 @@ def test_build_pads_and_types():
     assert (st.bias_ids[1, 2:] == -1).all()
     # Padding rows are greedy and truncate nothing.
     assert (st.temperature[3:] == 0).all() and (st.top_p[3:] == 1).all() and (st.repetition_penalty[3:] == 1).all()
-    basic = build_sampling_tensors(rows[:1], 4, 16, 4, advanced=False)
+    basic = build_sampling_tensors([RowSampling(temperature=0.5, min_p=0.1)], 4, 16, 4, advanced=False)
     assert basic.history.shape == basic.bias_ids.shape == (4, 1)
 
 
@@ -458,6 +520,8 @@ def test_build_pads_and_types():
         ([RowSampling()] * 3, 2, False, "rows"),
         ([RowSampling(frequency_penalty=0.5)], 2, False, "advanced=True"),
         ([RowSampling(logit_bias={1: 1.0})], 2, False, "advanced=True"),
+        ([RowSampling(top_p=0.9)], 2, False, "advanced=True"),
+        ([RowSampling(logprobs=True)], 2, False, "advanced=True"),
         ([RowSampling(seed=2**32)], 2, False, "seed"),
         ([RowSampling(counter=-1)], 2, False, "counter"),
     ],
@@ -468,7 +532,12 @@ def test_build_rejects(rows, num_rows, advanced, field):
 
 
 def test_needs_advanced():
-    assert not needs_advanced([RowSampling(temperature=0.3, top_k=5, top_p=0.5, min_p=0.1, seed=9)])
-    for extra in [dict(repetition_penalty=1.1), dict(presence_penalty=-0.5), dict(frequency_penalty=1.0)]:
+    assert not needs_advanced([RowSampling(temperature=0.3, min_p=0.1, seed=9), RowSampling(temperature=0.0)])
+    # A greedy row ignores top-k and top-p: it stays in the basic variant.
+    assert not needs_advanced([RowSampling(temperature=0.0, top_k=5, top_p=0.5)])
+    for extra in [
+        dict(repetition_penalty=1.1), dict(presence_penalty=-0.5), dict(frequency_penalty=1.0), dict(top_k=5),
+        dict(top_p=0.9), dict(logprobs=True),
+    ]:  # fmt: skip
         assert needs_advanced([RowSampling(), RowSampling(**extra)])
     assert needs_advanced([RowSampling(logit_bias={3: -float("inf")})])

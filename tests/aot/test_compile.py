@@ -34,6 +34,7 @@ from aot_tools import (
     have_triton,
     lower_for_h100,
     pool_pages,
+    step_args,
     tpu_devices,
     tpu_kernel_calls,
 )
@@ -41,7 +42,9 @@ from aot_tools import (
 from benchmarks.common import SHAPES
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.engine.config import CacheConfig
+from jaxinfer.engine.runner import paged_step
 from kernels_pallas import decode_gpu, decode_tpu
+from tests.control_flow import host_synced_control_flow
 
 _HOW = "the AOT compilers live in .venv-aot: `bash scripts/install.sh aot && .venv-aot/bin/python -m pytest tests/aot`"
 needs_libtpu = pytest.mark.skipif(not have_libtpu(), reason=f"libtpu missing; {_HOW}")
@@ -185,6 +188,21 @@ def test_h100_kernels_compile_within_limits(model, decode_only):
         report = compile_for_h100(kernel)
         assert report.shared_bytes <= H100_MAX_SHARED_BYTES, report
         assert report.spill_stores == 0 and report.spill_loads == 0, report
+
+
+@pytest.mark.parametrize("decode_only", BUCKETS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_h100_plain_step_has_no_host_synced_branch(model, decode_only):
+    """XLA:GPU copies a conditional's predicate (and a loop's, every iteration) to the host and waits for it there,
+    behind the whole forward, before it launches the rest of the step. The step that serves plain requests
+    (greedy, temperature, min-p: the sampler's basic variant) lowers for a GPU without one; the advanced variant
+    keeps its conditionals, which skip top-k, penalties and logprobs when no row of the step asks for them.
+    Lowering only: no GPU compiler needed."""
+    case = _case(model, decode_only, H100_HBM_BYTES, 1)
+    args, _ = step_args(case, [jax.devices("cpu")[0]], 1, "pallas_gpu")
+    assert host_synced_control_flow(paged_step.trace(*args).lower(lowering_platforms=("cuda",))) == []
+    advanced = args[:8] + (True,) + args[9:]  # (the flat inputs' layout is the basic one; lowering does not mind)
+    assert host_synced_control_flow(paged_step.trace(*advanced).lower(lowering_platforms=("cuda",)))
 
 
 @needs_triton

@@ -3,15 +3,20 @@ batch invariance, and no compiles after warm-up."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
 
 from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import compile_count
+from jaxinfer.engine.runner import compile_count, paged_step
+from jaxinfer.engine.transfer import to_flat
 from jaxinfer.generate import generate_tokens
 from jaxinfer.model_files import smollm2_gguf
+from jaxinfer.sampling import build_sampling_tensors
+from jaxinfer.step import pack
 from jaxinfer.types import SamplingParams
 from jaxinfer.weights import load_weights
 
@@ -64,3 +69,27 @@ def test_no_compiles_after_warmup(engine, prompts):
     engine.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.7, seed=3, ignore_eos=True))
     engine.generate(prompts[:3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert compile_count() == before
+
+
+def compiled_plain_step(engine, decode_only: bool) -> str:
+    """The optimized HLO of the engine's step for plain requests (the sampler's basic variant), compiled for this
+    device as the engine compiles it."""
+    r, cc = engine.runner, engine.runner.cc
+    t = cc.max_num_seqs if decode_only else cc.max_num_batched_tokens
+    inp = pack([], t, cc.max_num_seqs, cc.pages_per_seq, cc.block_size)
+    flat, layout = to_flat((inp, build_sampling_tensors([], cc.max_num_seqs, cc.max_model_len, 1, False)))
+    return paged_step.lower(
+        model_def=r.model_def, weights=r.weights, cfg=r.cfg, kv=r.kv, feed=r.feed, flat=flat, layout=layout,
+        decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs, impl=r.attn_impl, mesh=r.mesh,
+    ).compile().as_text()  # fmt: skip
+
+
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "mixed"])
+def test_plain_step_holds_no_host_synced_branch_on_gpu(engine, decode_only):
+    """XLA:GPU copies a conditional's (or loop's) predicate to the host and waits for it behind the whole forward;
+    the step of greedy/temperature/min-p requests must hold none after XLA's own passes. (TPUs evaluate predicates
+    on the device: their step keeps the conditional that skips an all-greedy step's draw.)"""
+    if jax.default_backend() != "gpu":
+        pytest.skip("only XLA:GPU reads predicates on the host")
+    found = re.findall(r"[\s)}](conditional|while)\(", compiled_plain_step(engine, decode_only))
+    assert found == [], found

@@ -17,10 +17,9 @@ from jaxinfer.step import SeqChunk, pack
 def test_round_trip_through_jit(advanced):
     chunks = [SeqChunk([5, 6, 7], 0, [3]), SeqChunk([-2], 9, [1, 4], None), SeqChunk([8, 9], 4, [2], [9, -1])]
     inp = pack(chunks, 8, 4, 4, 8)
-    extra = dict(repetition_penalty=1.2, logit_bias={4: -1.5}) if advanced else {}
-    rows = [RowSampling(temperature=0.7, top_k=5, seed=2**32 - 1, counter=3, prompt_ids=[1, 2], output_ids=[3],
-                        logprobs=False, **extra),
-            RowSampling(seed=2**31 + 7, top_p=0.5)]  # fmt: skip
+    extra = dict(top_k=5, repetition_penalty=1.2, logit_bias={4: -1.5}) if advanced else dict(min_p=0.1)
+    rows = [RowSampling(temperature=0.7, seed=2**32 - 1, counter=3, prompt_ids=[1, 2], output_ids=[3], **extra),
+            RowSampling(seed=2**31 + 7, top_p=0.5 if advanced else 1.0, logprobs=advanced)]  # fmt: skip
     st = build_sampling_tensors(rows, 4, 16, 4, advanced)
     flat, layout = to_flat((inp, st))
     assert flat[0].dtype == np.int32 and flat[1].dtype == np.float32
