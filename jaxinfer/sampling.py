@@ -206,21 +206,11 @@ def sample(
     greedy = st.temperature < SAMPLING_EPS  # bool[S]
 
     if not advanced:
-        token_ids = lax.platform_dependent(
-            raw, st, greedy, cpu=_pick_skipping_draw, tpu=_pick_skipping_draw, default=_pick_always_drawing
-        )
+        skipping = partial(_pick_skipping_draw, truncate=False)
+        token_ids = lax.platform_dependent(raw, st, greedy, cpu=skipping, tpu=skipping, default=_pick_always_drawing)
         return SampleOutput(token_ids, *skipped)
 
-    x = process_logits(raw, st)
-    drawn = lax.cond(
-        jnp.any(~greedy),
-        partial(_draw, truncate=True, topk_cap=topk_cap),
-        lambda x, st, greedy: jnp.zeros(num_rows, jnp.int32),  # an all-greedy step skips the draw entirely
-        x,
-        st,
-        greedy,
-    )
-    token_ids = jnp.where(greedy, _argmax_rows(x), drawn)
+    token_ids = _pick_skipping_draw(process_logits(raw, st), st, greedy, truncate=True, topk_cap=topk_cap)
     if num_logprobs is None:
         return SampleOutput(token_ids, *skipped)
     if st.want_logprobs is None:
@@ -230,11 +220,15 @@ def sample(
     return SampleOutput(token_ids, *lps)
 
 
-def _pick_skipping_draw(x: jax.Array, st: SamplingTensors, greedy: jax.Array) -> jax.Array:
-    """The basic variant where a conditional is evaluated on the device (CPU, TPU): an all-greedy step skips the
-    draw. x f32[S, V] raw logits, greedy bool[S] -> i32[S]."""
+def _pick_skipping_draw(
+    x: jax.Array, st: SamplingTensors, greedy: jax.Array, *, truncate: bool, topk_cap: int = TOPK_CAP
+) -> jax.Array:
+    """Greedy rows take the argmax, the others a draw, which an all-greedy step skips under a conditional: the
+    advanced variant everywhere, and the basic one (without `truncate`) where a conditional is evaluated on the
+    device (CPU, TPU). x f32[S, V] processed logits, greedy bool[S] -> i32[S]."""
     zeros = jnp.zeros(x.shape[0], jnp.int32)
-    drawn = lax.cond(jnp.any(~greedy), partial(_draw, truncate=False), lambda *_: zeros, x, st, greedy)
+    draw = partial(_draw, truncate=truncate, topk_cap=topk_cap)
+    drawn = lax.cond(jnp.any(~greedy), draw, lambda *_: zeros, x, st, greedy)
     return jnp.where(greedy, _argmax_rows(x), drawn)
 
 
