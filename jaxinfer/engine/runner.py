@@ -441,10 +441,7 @@ class ModelRunner:
     def _executable(self, dynamic: dict, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool):
         """The step for these shapes and flags, as a function of `dynamic`: from the executable cache (loaded or
         compiled and stored), or the jitted `paged_step` where that cache is off."""
-        static = dict(
-            model_def=self.model_def, cfg=self.cfg, layout=layout, decode_only=decode_only, advanced=advanced,
-            num_logprobs=self.cc.max_logprobs, impl=self.attn_impl, mesh=self.mesh, prompt_logprobs=prompt_lp,
-        )  # fmt: skip
+        static = self.step_static(layout, decode_only, advanced, prompt_lp)
         if not self.caches_executables:
             return partial(paged_step, **static)
         # --- executable cache hook: one compiled step per static combination, loaded from disk when stored ---
@@ -454,6 +451,18 @@ class ModelRunner:
             extra = (self.cc, self.num_pages)  # the pool's shape is in `kv`; the config names the rest
             fn = self._compiled[key] = self.exec_cache.load_or_compile(paged_step, dynamic, static, extra)
         return fn
+
+    def step_static(self, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool) -> dict:
+        """`paged_step`'s static arguments for this runner and these shapes and flags."""
+        return dict(
+            model_def=self.model_def, cfg=self.cfg, layout=layout, decode_only=decode_only, advanced=advanced,
+            num_logprobs=self.cc.max_logprobs, impl=self.attn_impl, mesh=self.mesh, prompt_logprobs=prompt_lp,
+        )  # fmt: skip
+
+    def padding_inputs(self, advanced: bool, t: int, s: int) -> tuple[StepInputs, SamplingTensors]:
+        """The host inputs of an all-padding step of T tokens and S rows (it writes nothing): what warm-up runs."""
+        inp = pack([], t, s, self.cc.pages_per_seq, self.cc.block_size)
+        return inp, build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
 
     @property
     def caches_executables(self) -> bool:
@@ -478,17 +487,13 @@ class ModelRunner:
             for shape in shapes
         ]
 
-        def step_inputs(adv: bool, t: int, s: int) -> tuple[StepInputs, SamplingTensors]:
-            inp = pack([], t, s, self.cc.pages_per_seq, self.cc.block_size)
-            return inp, build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, adv)
-
         if self.caches_executables and self.followers is None:
             # Loading (or compiling) is all a bucket needs: running an all-padding step of the mixed buckets costs
             # as much as a real one (most of a warm start's warm-up on CPU). Deserializing and compiling release the
             # GIL, so the buckets load in parallel.
             def prepare(combo: tuple) -> None:
                 adv, plp, decode_only, t, s = combo
-                flat, layout = to_flat(step_inputs(adv, t, s))
+                flat, layout = to_flat(self.padding_inputs(adv, t, s))
                 self._executable(self._dynamic(flat), layout, decode_only, adv, plp)
 
             with ThreadPoolExecutor(max_workers=max(1, min(len(combos), os.cpu_count() or 1))) as pool:
@@ -497,7 +502,7 @@ class ModelRunner:
                         progress(done, len(combos))
         else:  # jit compiles on the first call
             for done, (adv, plp, decode_only, t, s) in enumerate(combos, 1):
-                self.launch(*step_inputs(adv, t, s), decode_only, adv, plp)
+                self.launch(*self.padding_inputs(adv, t, s), decode_only, adv, plp)
                 if progress is not None:  # the launch compiled the bucket before it returned
                     progress(done, len(combos))
         if self.copier is not None:

@@ -15,8 +15,6 @@ from jaxinfer.engine.runner import compile_count, paged_step
 from jaxinfer.engine.transfer import to_flat
 from jaxinfer.generate import generate_tokens
 from jaxinfer.model_files import smollm2_gguf
-from jaxinfer.sampling import build_sampling_tensors
-from jaxinfer.step import pack
 from jaxinfer.types import SamplingParams
 from jaxinfer.weights import load_weights
 
@@ -76,12 +74,9 @@ def compiled_plain_step(engine, decode_only: bool) -> str:
     device as the engine compiles it."""
     r, cc = engine.runner, engine.runner.cc
     t = cc.max_num_seqs if decode_only else cc.max_num_batched_tokens
-    inp = pack([], t, cc.max_num_seqs, cc.pages_per_seq, cc.block_size)
-    flat, layout = to_flat((inp, build_sampling_tensors([], cc.max_num_seqs, cc.max_model_len, 1, False)))
-    return paged_step.lower(
-        model_def=r.model_def, weights=r.weights, cfg=r.cfg, kv=r.kv, feed=r.feed, flat=flat, layout=layout,
-        decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs, impl=r.attn_impl, mesh=r.mesh,
-    ).compile().as_text()  # fmt: skip
+    flat, layout = to_flat(r.padding_inputs(False, t, cc.max_num_seqs))
+    static = r.step_static(layout, decode_only, advanced=False, prompt_lp=False)
+    return paged_step.lower(**static, **r._dynamic(flat)).compile().as_text()
 
 
 @pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "mixed"])

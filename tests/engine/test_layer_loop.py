@@ -18,8 +18,6 @@ from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.runner import choose_layer_loop, paged_step
 from jaxinfer.engine.transfer import to_flat
 from jaxinfer.model import init_params
-from jaxinfer.sampling import build_sampling_tensors
-from jaxinfer.step import pack
 from jaxinfer.types import SamplingParams
 from tests.aot.aot_tools import copies_of  # the compiled-HLO helper the TPU checks use
 
@@ -36,13 +34,10 @@ def _engine(loop: str, num_pages: int = 40, **cfg_changes) -> Engine:
 
 def _compiled_step(eng: Engine, decode_only: bool, t: int, s: int) -> str:
     """The optimized HLO of the engine's step for a bucket of t tokens and s sequences."""
-    r, cc = eng.runner, eng.runner.cc
-    inp = pack([], t, s, cc.pages_per_seq, cc.block_size)
-    st = build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, False)
-    flat, layout = to_flat((inp, st))
-    return paged_step.lower(model_def=r.model_def, weights=r.weights, cfg=r.cfg, kv=r.kv, feed=r.feed, flat=flat,
-                            layout=layout, decode_only=decode_only, advanced=False, num_logprobs=cc.max_logprobs,
-                            ).compile().as_text()  # fmt: skip
+    r = eng.runner
+    flat, layout = to_flat(r.padding_inputs(False, t, s))
+    static = r.step_static(layout, decode_only, advanced=False, prompt_lp=False)
+    return paged_step.lower(**static, **r._dynamic(flat)).compile().as_text()
 
 
 def _work() -> tuple[list[list[int]], list[SamplingParams]]:
