@@ -22,6 +22,8 @@ Variants (comma list; the first is the baseline):
   the jnp path instead of the numba kernel;
 - `cpu.NAME=VALUE`: a module constant of `kernels_pallas.cpu` (the jnp CPU attention's tuning) set while tracing,
   with `impl=cpu_jnp` (the default runs the numba kernel);
+- `layers.NAME=VALUE`: a module constant of `jaxinfer.model.layers` set while tracing, e.g.
+  `layers.WEIGHT_LEFT_MAX_ROWS=1`: every projection of two or more rows as x @ W^T (`project`'s forms);
 - `+` joins several in one variant: `no_attention+no_kv_write`.
 """
 
@@ -59,8 +61,10 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
     """The variant's trace-time changes, undone on exit."""
     import kernels_pallas
     from jaxinfer.engine import runner
-    from jaxinfer.model import scanned
+    from jaxinfer.model import layers, scanned
     from kernels_pallas import cpu
+
+    constants = {"cpu": cpu, "layers": layers}  # modules whose constants a `MODULE.NAME=VALUE` part sets
 
     changes: list[tuple[Any, str, Any]] = []
     for part in parts:
@@ -75,10 +79,11 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
         elif part.startswith("impl="):
             if part[5:] not in kernels_pallas.IMPLS:
                 raise ValueError(f"--variants: {part!r}: expected one of {kernels_pallas.IMPLS}")
-        elif part.startswith("cpu."):
-            name, _, value = part[4:].partition("=")
-            old = getattr(cpu, name)  # AttributeError names an unknown constant
-            changes.append((cpu, name, type(old)(value)))
+        elif part.partition(".")[0] in constants and "=" in part:
+            module, _, setting = part.partition(".")
+            name, _, value = setting.partition("=")
+            old = getattr(constants[module], name)  # AttributeError names an unknown constant
+            changes.append((constants[module], name, type(old)(value)))
         elif part not in ("default", *LOOPS):
             raise ValueError(f"--variants: unknown part {part!r}")
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in changes]

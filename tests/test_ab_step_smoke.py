@@ -4,6 +4,7 @@ patches reach its compiled program, and they are undone. Not a performance test:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 import kernels_pallas
 from benchmarks import ab_step
 from jaxinfer.engine import runner
+from jaxinfer.model import layers
 from kernels_pallas import cpu, ragged_cpu
 
 
@@ -29,18 +31,23 @@ def test_paired_run_writes_a_row_per_variant(tmp_path: Path) -> None:
 
 
 def test_patches_are_undone_and_unknown_parts_refused() -> None:
-    before = (kernels_pallas.paged_decode_attention, kernels_pallas.write_kv, runner.sample, cpu.KV_CHUNK_TOKENS)
-    with ab_step.patched(["no_attention", "no_kv_write", "argmax_sampler", "cpu.KV_CHUNK_TOKENS=32"]):
-        assert cpu.KV_CHUNK_TOKENS == 32 and runner.sample is not before[2]
+    before = (kernels_pallas.paged_decode_attention, kernels_pallas.write_kv, runner.sample, cpu.KV_CHUNK_TOKENS,
+              layers.WEIGHT_LEFT_MAX_ROWS)  # fmt: skip
+    parts = ["no_attention", "no_kv_write", "argmax_sampler", "cpu.KV_CHUNK_TOKENS=32", "layers.WEIGHT_LEFT_MAX_ROWS=1"]
+    with ab_step.patched(parts):
+        assert cpu.KV_CHUNK_TOKENS == 32 and layers.WEIGHT_LEFT_MAX_ROWS == 1 and runner.sample is not before[2]
     assert (
         kernels_pallas.paged_decode_attention,
         kernels_pallas.write_kv,
         runner.sample,
         cpu.KV_CHUNK_TOKENS,
+        layers.WEIGHT_LEFT_MAX_ROWS,
     ) == before
     with pytest.raises(ValueError, match="unknown part"), ab_step.patched(["no_such_thing"]):
         pass
     with pytest.raises(AttributeError), ab_step.patched(["cpu.NO_SUCH_CONSTANT=1"]):
+        pass
+    with pytest.raises(AttributeError), ab_step.patched(["layers.NO_SUCH_CONSTANT=1"]):
         pass
     with pytest.raises(ValueError, match="cpu_jnp"), ab_step.patched(["impl=no_such_impl"]):
         pass
@@ -50,11 +57,16 @@ def test_each_variant_compiles_its_own_program() -> None:
     # jax caches traces per Python function: a variant must not get the engine's own trace back unchanged.
     engine, kw = ab_step.recorded_step("scan", 2, 24, "tiny")
     text = {v: ab_step.compiled_variant(engine, kw, v.split("+"))[1].as_text()
-            for v in ("default", "argmax_sampler", "no_attention+no_kv_write", "impl=cpu_jnp")}  # fmt: skip
+            for v in ("default", "argmax_sampler", "no_attention+no_kv_write", "impl=cpu_jnp",
+                      "layers.WEIGHT_LEFT_MAX_ROWS=1")}  # fmt: skip
     assert "xor(" in text["default"] and "xor(" not in text["argmax_sampler"]  # the draw's random bits (threefry)
     assert text["default"].count("scatter(") > text["no_attention+no_kv_write"].count("scatter(")  # the K/V write
     assert text["default"].count(" dot(") > text["no_attention+no_kv_write"].count(" dot(")  # attention's dots
     if jax.default_backend() == "cpu":  # the numba attention kernel, or the jnp loops in its place
+        # Two rows' projections as W @ x^T by default (dots of an f32[out, 2] result), as x @ W^T (f32[2, out]) with
+        # the constant at 1.
+        weight_left = re.compile(r"= f32\[\d+,2\]\{1,0\} dot\(")
+        assert weight_left.search(text["default"]) and not weight_left.search(text["layers.WEIGHT_LEFT_MAX_ROWS=1"])
         assert ragged_cpu.TARGET in text["default"] and ragged_cpu.TARGET not in text["impl=cpu_jnp"]
 
 
