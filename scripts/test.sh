@@ -12,7 +12,7 @@ python3 -m pip install --dry-run -q -e ".[cuda]" >"$cuda_log" 2>&1 &
 cuda_pid=$!
 python3 -m ruff check .
 .venv-aot/bin/python -m pytest -q -p no:cacheprovider tests/aot
-python3 -m pytest -q
+python3 -m pytest -q --durations=20  # the slowest tests named in the log: the suite has a 20-minute budget
 if ! wait "$cuda_pid"; then
   cat "$cuda_log" >&2
   echo 'pip install -e ".[cuda]" does not resolve' >&2
