@@ -44,6 +44,17 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, d), "o": (d, q), "gate_up": (2 * f, d), "down": (d, f), "lm_head": (s["vocab_size"], d)}
 
 
+def option_value(text: str) -> bool | int | str:
+    """An XLA compile option's value from the command line: XLA refuses "true" for a bool option, so booleans and
+    integers are converted; anything else (an enum's name, a list) stays a string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _library(hlo: str) -> str:
     for tag, name in (("__ynn", "ynn"), ("__xnn", "xnn"), ("onednn", "onednn")):
         if tag in hlo:
@@ -92,7 +103,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         import torch
 
         torch.set_num_threads(args.threads or torch.get_num_threads())
-    options = dict(o.split("=", 1) for o in args.options)
+    options = {name: option_value(value) for name, _, value in (o.partition("=") for o in args.options)}
     rows = []
     for name, (n_out, n_in) in projections(args.shape).items():
         w = rng.standard_normal((n_out, n_in), np.float32)

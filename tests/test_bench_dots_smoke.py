@@ -33,3 +33,10 @@ def test_quick_run_writes_rows_and_applies_the_option(tmp_path: Path) -> None:
     assert all(r["opt_lib"] != "ynn" for r in rows)
     assert any(r["xla_lib"] == "ynn" for r in rows if r["rows"] == 16)
     assert data["meta"]["config"]["shape"] == "tiny"
+
+
+def test_option_values_take_xlas_types() -> None:
+    assert bench_dots.option_value("true") is True and bench_dots.option_value("False") is False
+    assert bench_dots.option_value("2") == 2
+    assert bench_dots.option_value("LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT") == "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+    assert bench_dots.option_value("") == ""
