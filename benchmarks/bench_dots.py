@@ -24,7 +24,6 @@ import importlib.util
 import json
 import operator
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import SHAPES, format_table, int_list, metadata
+from benchmarks.common import SHAPES, cpu_flags, format_table, int_list, metadata, time_calls
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
@@ -75,7 +74,8 @@ def xla_seconds(x: np.ndarray, w: np.ndarray, chain: int, repeats: int, options:
 
     xd, wd = jnp.asarray(x), jnp.asarray(w)
     compiled = jax.jit(chained).lower(xd, wd).compile(compiler_options=options or None)
-    return _best(lambda: compiled(xd, wd).block_until_ready(), repeats) / chain, _library(compiled.as_text())
+    samples = time_calls(lambda: compiled(xd, wd).block_until_ready(), 0, repeats)[2]  # the first call untimed
+    return min(samples) / chain, _library(compiled.as_text())
 
 
 def loop_seconds(product: Callable[[Any, Any], Any], a: Any, b: Any, chain: int, repeats: int) -> float:
@@ -83,17 +83,7 @@ def loop_seconds(product: Callable[[Any, Any], Any], a: Any, b: Any, chain: int,
         for _ in range(chain):
             product(a, b)
 
-    return _best(run, repeats) / chain
-
-
-def _best(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(time_calls(run, 0, repeats)[2]) / chain
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -125,17 +115,6 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(row)
             print(f"  {name} rows={m} done", flush=True)
     return rows
-
-
-def cpu_flags() -> list[str]:
-    """The x86 features that decide which kernels the libraries pick."""
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:
-        return []
-    return [w for w in wanted if w in flags]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -172,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         meta = metadata("benchmarks.bench_dots", args, sys.argv[1:] if argv is None else list(argv))
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta | {"cpu_flags": cpu_flags()}, rows=rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)  # meta["host"] names the CPU flags
         print(f"wrote {args.out}")
     return 0
 

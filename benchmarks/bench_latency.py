@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import inspect
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +47,7 @@ from benchmarks.common import (
     pyplot,
     random_params,
     shape_config,
+    time_calls,
 )
 from jaxinfer.engine.config import LAYER_LOOPS
 
@@ -87,21 +87,6 @@ def decode_tokens(args: argparse.Namespace, batch: int) -> int:
     one step per prefill chunk, before the timed steps start."""
     budget = max(*args.prefill_len, *args.batch)
     return -(-batch * args.context // budget) + batch + 2 * (1 + args.warmup + args.iters) + 8
-
-
-def _time(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[float, float, list[float]]:
-    """(first call s, median s, samples). fn must block until its work is done."""
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return first, statistics.median(samples), samples
 
 
 def compile_count() -> int:
@@ -165,9 +150,9 @@ def bench_prefill(engine: Any, length: int, args: argparse.Namespace, rng: np.ra
             raise RuntimeError(f"prefill of {length} tokens took more than one step")
 
     with capture_steps() as calls:
-        first, eng_s, eng_samples = _time(engine_prefill, args.warmup, args.iters)
+        first, eng_s, eng_samples = time_calls(engine_prefill, args.warmup, args.iters)
     c0 = compile_count()
-    bare_first, bare_s, bare_samples = _time(bare_step(engine, calls[-1]), args.warmup, args.iters)
+    bare_first, bare_s, bare_samples = time_calls(bare_step(engine, calls[-1]), args.warmup, args.iters)
     bare_compiles = compile_count() - c0
     _, t, _ = engine.runner.bucket_for(1, length)
     return dict(
@@ -195,10 +180,10 @@ def bench_decode(engine: Any, batch: int, args: argparse.Namespace, rng: np.rand
 
     ctx0 = sum(r.num_computed for r in reqs) / batch
     with capture_steps() as calls:
-        first, eng_s, eng_samples = _time(engine_decode, args.warmup, args.iters)
+        first, eng_s, eng_samples = time_calls(engine_decode, args.warmup, args.iters)
     mean_ctx = (ctx0 + sum(r.num_computed for r in reqs) / batch) / 2
     c0 = compile_count()
-    bare_first, bare_s, bare_samples = _time(bare_step(engine, calls[-1]), args.warmup, args.iters)
+    bare_first, bare_s, bare_samples = time_calls(bare_step(engine, calls[-1]), args.warmup, args.iters)
     bare_compiles = compile_count() - c0
     trace = None
     if args.trace:

@@ -11,7 +11,9 @@ import datetime
 import functools
 import os
 import platform
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +30,7 @@ from jaxinfer.model.transformer import Params
 __all__ = [
     "fill_defaults",
     "SHAPES", "format_table", "int_list", "metadata", "host_metadata", "random_params", "shape_config", "load_avg",
+    "time_calls", "cpu_flags",
 ]  # fmt: skip
 
 # Real shapes of a few public models (their config.json values; llama3-8b is Llama-3.1-8B, with its llama3 RoPE
@@ -119,11 +122,38 @@ def host_metadata(prog: str, args: argparse.Namespace, argv: Sequence[str]) -> d
             machine=platform.machine(),
             python=platform.python_version(),
             cpu_model=_cpu_model(),
+            cpu_flags=cpu_flags(),
         ),  # fmt: skip
         load_avg_start=load_avg(),
         command=" ".join([f"python -m {prog}", *argv]),
         config={k: v for k, v in vars(args).items() if k != "out"},
     )
+
+
+def time_calls(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[float, float, list[float]]:
+    """(first call s, median s, samples). fn must block until its work is done."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return first, statistics.median(samples), samples
+
+
+def cpu_flags() -> list[str]:
+    """The x86 features that decide which kernels the dot libraries pick (a machine class in the figures)."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return []
+    return [w for w in wanted if w in flags]
 
 
 def _cpu_model() -> str | None:

@@ -33,6 +33,16 @@ def test_quick_run_writes_rows_and_applies_the_option(tmp_path: Path) -> None:
     assert all(r["opt_lib"] != "ynn" for r in rows)
     assert any(r["xla_lib"] == "ynn" for r in rows if r["rows"] == 16)
     assert data["meta"]["config"]["shape"] == "tiny"
+    assert set(data["meta"]["host"]["cpu_flags"]) <= {
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx512_fp16",
+        "avx_vnni",
+        "amx_tile",
+    }
 
 
 def test_option_values_take_xlas_types() -> None:
