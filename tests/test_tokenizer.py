@@ -19,6 +19,7 @@ from jaxinfer.tokenizer import (
     UnsupportedTokenizerError,
     load_tokenizer,
 )
+from tests.hf_gguf import hf_tokenizer
 
 TEXTS = {
     "plain": "The quick brown fox jumps over the lazy dog.",
@@ -71,12 +72,9 @@ def _ours(name: str) -> Tokenizer:
     return load_tokenizer(_gguf_path(name))
 
 
-# Loading transformers' tokenizer from a GGUF takes seconds (~15 s for Gemma's 262k vocab): once per session.
-@functools.cache
 def _reference(name: str) -> Any:
-    transformers = pytest.importorskip("transformers")
-    path = _gguf_path(name)
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    pytest.importorskip("transformers")
+    return hf_tokenizer(_gguf_path(name))  # loaded once per session (tests/hf_gguf.py)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])

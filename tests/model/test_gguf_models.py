@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jaxinfer.generate import generate_tokens
 from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
 from jaxinfer.weights import load_weights
+from tests.hf_gguf import hf_model, hf_tokenizer
 
 PROMPTS = [
     "The capital of France is",
@@ -21,8 +21,7 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def models(request):
     path = smollm2_gguf() if request.param == "smollm2" else gemma3_270m_gguf()
-    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf_tok, hf = hf_tokenizer(path), hf_model(path)
     cfg, params, _ = load_weights(path)
     return hf, hf_tok, cfg, params
 
