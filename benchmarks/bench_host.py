@@ -34,8 +34,12 @@ import numpy as np
 from benchmarks.bench_latency import bare_step, capture_steps
 from benchmarks.common import fill_defaults, format_table, int_list, load_avg, metadata, random_params, shape_config
 
-FULL_DEFAULTS: dict[str, Any] = dict(batch="1,32,256", prompt_len=32, steps=48, warmup_steps=8, bare_iters=20)
-QUICK_DEFAULTS: dict[str, Any] = dict(batch="1,4", prompt_len=8, steps=6, warmup_steps=2, bare_iters=3)
+FULL_DEFAULTS: dict[str, Any] = dict(batch="1,32,256", prompt_len=32, steps=48, warmup_steps=8, bare_iters=20,
+                                     prefill_tokens=1024)  # fmt: skip
+# 16 prefill tokens a step: the quick run's 4 x 8-token prompts in two steps, and one mixed-step bucket to compile
+# instead of seven (a cold smoke test spent 30 of its 40 s compiling the buckets of 32 to 1024 + 4 tokens).
+QUICK_DEFAULTS: dict[str, Any] = dict(batch="1,4", prompt_len=8, steps=6, warmup_steps=2, bare_iters=3,
+                                      prefill_tokens=16)  # fmt: skip
 
 
 def build(args: argparse.Namespace, max_seqs: int, overlap: bool) -> tuple[Any, Any]:
@@ -47,7 +51,7 @@ def build(args: argparse.Namespace, max_seqs: int, overlap: bool) -> tuple[Any, 
     page = 16
     max_len = -(-seq_len // page) * page
     cache = CacheConfig(block_size=page, num_pages=max_seqs * (max_len // page) + 8, max_model_len=max_len,
-                        max_num_seqs=max_seqs, max_num_batched_tokens=budget(max_seqs),
+                        max_num_seqs=max_seqs, max_num_batched_tokens=max_seqs + args.prefill_tokens,
                         enable_prefix_caching=False)  # fmt: skip
     if args.shape:
         cfg = shape_config(args.shape, args.dtype or "bfloat16")
@@ -62,19 +66,11 @@ def build(args: argparse.Namespace, max_seqs: int, overlap: bool) -> tuple[Any, 
 _MODELS: dict[str, Any] = {}
 
 
-PREFILL_TOKENS = 1024  # per step, on top of one token per decoding row
-
-
-def budget(batch: int) -> int:
-    """The step token budget: every row can decode and PREFILL_TOKENS of prompts still fit beside them."""
-    return batch + PREFILL_TOKENS
-
-
 def decode_tokens(args: argparse.Namespace, batch: int) -> int:
     """max_tokens per request. The prompts are prefilled over several steps (the token budget), and a row starts
     decoding as soon as its prompt is in, so rows run up to that many steps apart: every row decodes together
     for `warmup_steps + steps` steps only if each asks for that many more."""
-    prefill_steps = -(-batch * args.prompt_len // PREFILL_TOKENS)
+    prefill_steps = -(-batch * args.prompt_len // args.prefill_tokens)
     return args.warmup_steps + args.steps + prefill_steps
 
 
@@ -268,6 +264,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="timed decode steps (after --warmup-steps)")
     p.add_argument("--warmup-steps", type=int, help="decode steps left out of the summary")
     p.add_argument("--bare-iters", type=int, help="replays of the bare step (median reported)")
+    p.add_argument("--prefill-tokens", type=int, help="prompt tokens a step takes beside one per decoding row")
     p.add_argument("--overlap", default="on,off", help="overlap scheduling settings to run: on, off or both")
     p.add_argument("--sections", default="offline,http", help="offline, http or both")
     p.add_argument("--http-streams", type=int, default=200, help="concurrent streams in the http section")
