@@ -37,7 +37,8 @@ def smol():
 
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_batched_greedy_equals_alone(which):
-    """64 mixed requests in one generate() give the same tokens as each request alone."""
+    """64 mixed requests in one generate() give the same tokens as each request alone (every fourth request run
+    alone: the 64 alone runs were most of this test's minute and a half on the CI machine class)."""
     path = smollm2_gguf() if which == "smollm2" else gemma3_270m_gguf()
     rng = random.Random(0)
     prompts = [" ".join(rng.sample(TEXTS, 2))[: rng.randint(5, 60)] for _ in range(64)]
@@ -45,10 +46,9 @@ def test_batched_greedy_equals_alone(which):
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in lens]
     with LLM(str(path), num_kv_tokens=8192, max_model_len=256, max_num_seqs=32, max_num_batched_tokens=128) as llm:
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        alone = [
-            llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params, strict=False)
-        ]
-        assert together == alone
+        picked = range(0, len(prompts), 4)
+        alone = [llm.generate(prompts[i], params[i], use_tqdm=False)[0].outputs[0].token_ids for i in picked]
+        assert [together[i] for i in picked] == alone
         assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
 
 
