@@ -27,3 +27,17 @@ else:
     # on an H200, 44 f32 cases of tests/kernels failed that way and no bf16 one. Full-precision f32 dots keep
     # those comparisons about the kernels' math; bf16 runs (the engine's default on a device) are unaffected.
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+
+def pytest_collection_finish(session):
+    # The mesh tests' child pytest (tests/eight_devices.py) starts now, when the launcher test is selected, and runs
+    # beside this session's tests.
+    from tests.eight_devices import start_with_session
+
+    start_with_session(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.eight_devices import stop_with_session
+
+    stop_with_session()

@@ -1,14 +1,15 @@
-"""Launches the mesh tests (tests/eight_devices.FILES) in one child pytest with 8 CPU devices."""
+"""Waits for the child pytest that runs the mesh tests (tests/eight_devices.FILES) on 8 CPU devices: started
+when the session's tests were collected (tests/conftest.py), it has been running beside the parent's tests."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.eight_devices import CHILD, FILES, run_child
+from tests.eight_devices import CHILD, started_child
 
 
 @pytest.mark.skipif(CHILD, reason="the parent launcher")
 def test_mesh_suites_on_8_cpu_devices():
-    r = run_child(FILES, timeout=900)
-    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and " skipped" not in r.stdout, r.stdout[-3000:]
+    code, out = started_child().wait(timeout=900)
+    assert code == 0, out[-11000:]
+    assert " passed" in out and " skipped" not in out, out[-3000:]
