@@ -7,8 +7,6 @@ TPU". Without it every test process is pinned to the CPU.
 
 import os
 
-import pytest
-
 DEVICE_TESTS = os.environ.get("JAXINFER_TEST_DEVICE") == "1"
 
 # One persistent compilation cache for the test processes and the servers they start (the same directory as
@@ -31,24 +29,12 @@ else:
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 
-@pytest.hookimpl(trylast=True)  # after -k/-m deselection: the selection is final
-def pytest_collection_modifyitems(session, config, items):
-    # The 8-device child pytest (tests/eight_devices.py) starts now, when its launcher test is selected, and runs
-    # beside this session's tests; in a CPU run it also takes the kernel tests from this process.
-    from tests.eight_devices import take_side_tests
+def pytest_collection_finish(session):
+    # The mesh tests' child pytest (tests/eight_devices.py) starts now, when the launcher test is selected, and runs
+    # beside this session's tests.
+    from tests.eight_devices import start_with_session
 
-    take_side_tests(config, items)
-
-
-def pytest_terminal_summary(terminalreporter):
-    from tests.eight_devices import child_report, side_tests
-
-    report = child_report()
-    if report:
-        terminalreporter.section("the 8-device child pytest (tests/test_eight_devices.py)")
-        if side_tests():
-            terminalreporter.write_line(f"it ran the {len(side_tests())} kernel tests deselected here")
-        terminalreporter.write_line(report)
+    start_with_session(session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):
