@@ -81,9 +81,8 @@ def start_with_session(items: list[pytest.Item]) -> None:
 
 
 def started_child() -> Child:
-    """The child started for this session (or one started now, when the launcher runs on its own)."""
-    if not _started:
-        _started.append(start_child(FILES))
+    """The child started for this session: tests/conftest.py starts it whenever the launcher is collected."""
+    assert _started, "the 8-device child was not started (tests/conftest.py's pytest_collection_finish)"
     return _started[0]
 
 

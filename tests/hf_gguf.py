@@ -17,13 +17,12 @@ from typing import Any
 
 import gguf
 
+_ORIGINAL_READER = gguf.GGUFReader
+
 
 @functools.lru_cache(maxsize=1)  # the parsed fields of Gemma's vocabulary are hundreds of MB of numpy views
 def _reader(path: str) -> gguf.GGUFReader:
     return _ORIGINAL_READER(path)
-
-
-_ORIGINAL_READER = gguf.GGUFReader
 
 
 @contextlib.contextmanager
