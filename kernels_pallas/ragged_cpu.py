@@ -36,7 +36,7 @@ TARGET = "jaxinfer_ragged_paged_attention_f32"
 @functools.cache
 def unavailable() -> str | None:
     """Why the kernel cannot run in this process (None: it can, and is registered with XLA). The first call imports
-    numba and loads the kernel (about a second; compiled once per machine, about 10 s)."""
+    numba and loads the kernel (about a second; compiled once per machine, about 20 s on 2 cores)."""
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed"
     try:

@@ -1,7 +1,7 @@
 """The numba side of kernels_pallas/ragged_cpu.py: the ragged paged attention kernel and its XLA FFI handler.
 
 Imported on first use only (importing numba and loading the cached machine code takes about a second): compiled
-once per machine into numba's cache (`__pycache__` beside this file, or NUMBA_CACHE_DIR), about 10 s.
+once per machine into numba's cache (`__pycache__` beside this file, or NUMBA_CACHE_DIR), about 20 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -370,7 +370,19 @@ def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale,
                    decodes, out, scale, window, cap, longest_block * group, longest_context)  # fmt: skip
 
 
-@njit(fastmath=True, nogil=True, cache=True)
+# One explicit signature: left to infer it, numba compiled a specialization for every type the call sites took
+# during _attend's type inference (literal constants, the prange index's uint64): 7 compiles, ~30 s of a cold start.
+_F32_3D, _F32_4D = types.float32[:, :, ::1], types.float32[:, :, :, ::1]
+_I64, _I64_1D, _F32 = types.int64, types.int64[::1], types.float32
+_RUN_ITEMS_SIG = types.void(
+    *(_I64, _I64, _I64, _I64),  # w, workers, items, decode_heads
+    *(_F32_3D, _F32_4D, _F32_4D, types.int32[:, ::1]),  # q, k, v, table
+    *(_I64_1D, _I64_1D, _I64_1D, _I64_1D, _I64_1D, _I64),  # blk_seq, blk_start, blk_len, blk_pos, order, decodes
+    *(_F32_3D, _F32, _I64, _F32, _I64, _I64),  # out, scale, window, cap, rows_max, longest_context
+)
+
+
+@njit(_RUN_ITEMS_SIG, fastmath=True, nogil=True, cache=True)
 def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, order, decodes,
                out, scale, window, cap, rows_max, longest_context):  # fmt: skip
     """Items w, w + workers, ... of one call: the decode blocks' items first (order[:decodes], by block, then KV
@@ -402,7 +414,8 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
             _decode_item(qb[:rows], group, k, v, table[blk_seq[i]], blk_pos[i], h0, ob[:rows], window, cap, scores,
                          acc, run_max, run_sum)  # fmt: skip
             for r in range(rows):
-                out[t, h0 * group + r] = ob[r]
+                for d in range(head_dim):
+                    out[t, h0 * group + r, d] = ob[r, d]
             continue
         j = item - decode_items
         i, h = order[decodes + j // num_kv_heads], j % num_kv_heads
@@ -410,12 +423,14 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
         rows = length * group
         for ti in range(length):
             for g in range(group):
-                qb[ti * group + g] = q[start + ti, h * group + g]
+                for d in range(head_dim):
+                    qb[ti * group + g, d] = q[start + ti, h * group + g, d]
                 pos[ti * group + g] = first_pos + ti
         _prefill_item(qb[:rows], k, v, table[s], pos[:rows], h, ob[:rows], scale, window, cap, scores)
         for ti in range(length):
             for g in range(group):
-                out[start + ti, h * group + g] = ob[ti * group + g]
+                for d in range(head_dim):
+                    out[start + ti, h * group + g, d] = ob[ti * group + g, d]
 
 
 @cfunc(types.voidptr(types.voidptr), cache=True)
