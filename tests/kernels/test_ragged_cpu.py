@@ -26,6 +26,7 @@ CASES = [
     (128, 4, 4, 16, 0, None),  # no GQA
     (32, 6, 2, 4, 7, None),  # sliding window
     (256, 8, 2, 8, 0, 30.0),  # soft-cap (Gemma 2)
+    (256, 4, 1, 16, 0, None),  # Gemma 3 270M's heads at the engine's page size
     (64, 4, 2, 16, 20, 5.0),  # both
 ]
 
