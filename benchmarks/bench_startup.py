@@ -3,9 +3,9 @@
     python -m benchmarks.bench_startup                      # the default model, no flags: what a new user runs
     python -m benchmarks.bench_startup --serve-args "--max-model-len 512 --num-kv-tokens 4096" --out start.json
 
-Cold: fresh, empty compilation and conversion caches (temporary directories). Warm: the same command again, on the
-caches the cold run filled. `warm-noexec`: warm with JAXINFER_EXEC_CACHE=0 (only jax's persistent XLA cache, so
-every step is traced and lowered again): the executable cache's share, side by side.
+Cold: fresh, empty compilation (jax's and numba's) and conversion caches (temporary directories). Warm: the same
+command again, on the caches the cold run filled. `warm-noexec`: warm with JAXINFER_EXEC_CACHE=0 (only jax's
+persistent XLA cache, so every step is traced and lowered again): the executable cache's share, side by side.
 The engine process logs its start-up summary (load, buckets, compile seconds); the table puts those beside the
 wall time to ready. Nothing here asserts a time.
 """
@@ -95,8 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="jaxinfer-startup-") as tmp:
+        # NUMBA_CACHE_DIR: the CPU attention kernel's machine code too (kernels_pallas/ragged_cpu_numba.py), which a
+        # new machine builds on its first start.
         env = {**os.environ, "PYTHONPATH": str(REPO), "JAXINFER_COMPILE_CACHE": f"{tmp}/xla",
-               "JAXINFER_CACHE": f"{tmp}/converted"}  # fmt: skip
+               "JAXINFER_CACHE": f"{tmp}/converted", "NUMBA_CACHE_DIR": f"{tmp}/numba"}  # fmt: skip
         for run in args.runs.split(","):
             run_env = {**env, "JAXINFER_EXEC_CACHE": "0"} if run.endswith("-noexec") else env
             r = start_once(shlex.split(args.serve_args), run_env, Path(tmp) / f"{run}.log", args.timeout)
