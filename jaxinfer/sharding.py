@@ -40,7 +40,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("pages", None),
     ("page_slot", None),
 )
-KV_POOL_AXES = ("pages", "page_slot", "kv_heads", "head_dim")
+KV_POOL_AXES = ("pages", "page_slot", "kv_heads")  # [pages, page_size, Hkv * Dh]: split by whole heads
 
 
 class ShardingError(ValueError):

@@ -46,7 +46,8 @@ def attention_kernels(runner: Any) -> str:
 
     import kernels_pallas
 
-    cfg, (k, v) = runner.cfg, runner.kv[0]
+    cfg, pool = runner.cfg, runner.kv[0][0]  # stored rows (kernels_pallas.pool_shape): the kernels' checks see heads
+    k = v = jax.ShapeDtypeStruct((*pool.shape[:2], cfg.num_kv_heads, cfg.head_dim), pool.dtype)
     q = jax.ShapeDtypeStruct((runner.cc.max_num_seqs, cfg.num_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
     decode = kernels_pallas.decode_implementation(q, k, v, runner.attn_impl)
     ragged = kernels_pallas.ragged_implementation(q, k, v, runner.attn_impl)

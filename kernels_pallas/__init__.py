@@ -3,7 +3,7 @@
 Use the dispatching entry points; see README.md for shapes and the dispatch order.
 """
 
-from kernels_pallas.common import UnsupportedCase
+from kernels_pallas.common import POOL_LANE_MULTIPLE, UnsupportedCase, pool_shape
 from kernels_pallas.dispatch import (
     IMPLS,
     decode_implementation,
@@ -15,9 +15,11 @@ from kernels_pallas.reference import write_kv
 
 __all__ = [
     "IMPLS",
+    "POOL_LANE_MULTIPLE",
     "UnsupportedCase",
     "decode_implementation",
     "paged_decode_attention",
+    "pool_shape",
     "ragged_implementation",
     "ragged_paged_attention",
     "write_kv",

@@ -27,6 +27,43 @@ class UnsupportedCase(NotImplementedError):
     """
 
 
+# Lanes a stored pool row is padded to, per backend. A TPU tiles an array's last two dims by (8, 128), and for a row
+# that is not a whole number of 128 lanes (SmolLM2: 3 KV heads x 64) its default layout, the one that pads least,
+# puts the pages axis minor instead: a layout no kernel reads, so every step relaid the pools out and back.
+POOL_LANE_MULTIPLE = {"tpu": 128}
+
+
+def pool_row_width(num_kv_heads: int, head_dim: int, lane_multiple: int = 1, kv_shards: int = 1) -> int:
+    """Elements of one token's row in a stored pool: its KV heads side by side, padded to `lane_multiple` per shard
+    (a pool split over `kv_shards` devices by KV heads holds each shard's heads in its own padded chunk)."""
+    per_shard = cdiv(num_kv_heads, kv_shards) * head_dim
+    return kv_shards * cdiv(per_shard, lane_multiple) * lane_multiple
+
+
+def pool_shape(
+    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, lane_multiple: int = 1, kv_shards: int = 1
+) -> tuple[int, int, int]:
+    """The KV pool as the engine stores it: f[num_pages, page_size, W], a token's KV heads side by side in one row of
+    W >= Hkv * D elements (`pool_row_width`; W == Hkv * D except on a TPU). Unpadded it is the same bytes as
+    [.., Hkv, D] in row-major order, the kernels' signatures' form (`heads_view`, a free reshape on CPU and GPU).
+    It is the TPU kernels' own form: one page a [page_size, W] block, no per-head tiling to undo."""
+    return num_pages, page_size, pool_row_width(num_kv_heads, head_dim, lane_multiple, kv_shards)
+
+
+def rows_view(pages: jax.Array) -> jax.Array:
+    """f[P, page_size, Hkv, D] -> the same bytes as rows, f[P, page_size, Hkv * D]."""
+    return pages.reshape(*pages.shape[:2], pages.shape[2] * pages.shape[3])
+
+
+def heads_view(pool: jax.Array, num_kv_heads: int, head_dim: int) -> jax.Array:
+    """A stored pool f[P, page_size, W] (`pool_shape`) as f[P, page_size, Hkv, D]: a reshape, after a slice when
+    the rows are padded (a copy: only a kernel that reads padded rows, the TPU's, avoids it)."""
+    width = num_kv_heads * head_dim
+    if pool.shape[2] != width:
+        pool = pool[:, :, :width]
+    return pool.reshape(*pool.shape[:2], num_kv_heads, head_dim)
+
+
 def check_pool_offsets(k_pages) -> None:
     """Element offsets into the KV pool are int32 in the kernels (Triton pointers, Mosaic DMA addresses)."""
     elements = 1

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from kernels_pallas import cpu, decode_gpu, decode_tpu, ragged_cpu, ragged_gpu, ragged_tpu, reference
-from kernels_pallas.common import UnsupportedCase
+from kernels_pallas.common import UnsupportedCase, heads_view, rows_view
 
 _log = logging.getLogger(__name__)
 
@@ -38,8 +38,9 @@ IMPLS = ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu", "cpu", "cpu_j
 @dataclass(frozen=True)
 class _Candidate:
     name: str
-    check: Callable[..., None]  # raises UnsupportedCase
+    check: Callable[..., None]  # raises UnsupportedCase; takes [.., Hkv, D] pools (shapes only)
     run: Callable[..., jax.Array]
+    rows: bool = False  # `run` takes pools as stored, f[P, page_size, W] (common.pool_shape), and num_kv_heads
 
 
 def _no_check(*args: Any, **kwargs: Any) -> None:
@@ -74,10 +75,10 @@ def _decode_gpu(interpret: bool) -> _Candidate:
 
 
 def _decode_tpu(interpret: bool) -> _Candidate:
-    def run(q, k_pages, v_pages, page_table, lengths, **kw):
-        return decode_tpu.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, interpret=interpret, **kw)
+    def run(q, k_rows, v_rows, page_table, lengths, **kw):
+        return decode_tpu.paged_decode_attention_rows(q, k_rows, v_rows, page_table, lengths, interpret=interpret, **kw)
 
-    return _Candidate("pallas_tpu_interpret" if interpret else "pallas_tpu", decode_tpu.check_supported, run)
+    return _Candidate("pallas_tpu_interpret" if interpret else "pallas_tpu", decode_tpu.check_supported, run, True)
 
 
 def _ragged_gpu(interpret: bool) -> _Candidate:
@@ -96,10 +97,10 @@ def _ragged_gpu(interpret: bool) -> _Candidate:
 
 
 def _ragged_tpu(interpret: bool) -> _Candidate:
-    def run(q, k_pages, v_pages, *tables, **kw):
-        return ragged_tpu.ragged_paged_attention(q, k_pages, v_pages, *tables, interpret=interpret, **kw)
+    def run(q, k_rows, v_rows, *tables, **kw):
+        return ragged_tpu.ragged_paged_attention_rows(q, k_rows, v_rows, *tables, interpret=interpret, **kw)
 
-    return _Candidate("pallas_tpu_interpret" if interpret else "pallas_tpu", ragged_tpu.check_supported, run)
+    return _Candidate("pallas_tpu_interpret" if interpret else "pallas_tpu", ragged_tpu.check_supported, run, True)
 
 
 _DECODE_CPU_NUMBA = _Candidate("cpu_numba", ragged_cpu.check_supported, ragged_cpu.paged_decode_attention)
@@ -213,10 +214,32 @@ def ragged_implementation(
     return explain(ragged_candidates(impl), (q, k_pages, v_pages, page_table))[0]
 
 
+def _heads_shape(q: jax.Array, k_pages: jax.Array, num_kv_heads: int | None) -> jax.ShapeDtypeStruct:
+    """The [.., Hkv, D] shape the checks see, for pools given either way."""
+    if k_pages.ndim == 4:
+        return jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
+    if num_kv_heads is None:
+        raise ValueError("pools given as stored rows f[P, page_size, W] need num_kv_heads")
+    return jax.ShapeDtypeStruct((*k_pages.shape[:2], num_kv_heads, q.shape[-1]), k_pages.dtype)
+
+
+def _run(cand: _Candidate, q, k_pages, v_pages, heads: jax.ShapeDtypeStruct, *tables, **kw) -> jax.Array:
+    """Runs `cand` on the pools in the form it takes: a free reshape between the forms, unless the stored rows are
+    padded and the kernel reads only [.., Hkv, D] (a fallback from a TPU kernel: the slice costs a copy)."""
+    num_kv_heads, head_dim = heads.shape[2:]
+    if cand.rows:
+        if k_pages.ndim == 4:
+            k_pages, v_pages = rows_view(k_pages), rows_view(v_pages)
+        return cand.run(q, k_pages, v_pages, *tables, num_kv_heads=num_kv_heads, **kw)
+    if k_pages.ndim == 3:
+        k_pages, v_pages = heads_view(k_pages, num_kv_heads, head_dim), heads_view(v_pages, num_kv_heads, head_dim)
+    return cand.run(q, k_pages, v_pages, *tables, **kw)
+
+
 def paged_decode_attention(
     q: jax.Array,  # f[B, Hq, D] one query token per sequence
-    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
-    v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D], or as stored: f[num_pages, page_size, W] (pool_shape)
+    v_pages: jax.Array,  # the same shape as k_pages
     page_table: jax.Array,  # i32[B, pages_per_seq]
     lengths: jax.Array,  # i32[B] valid KV tokens incl. the current one
     *,
@@ -224,15 +247,17 @@ def paged_decode_attention(
     sliding_window: int | None = 0,  # None or 0: no window
     soft_cap: float | None = None,  # None or 0: no cap
     impl: str | None = None,
+    num_kv_heads: int | None = None,  # Hkv of pools given as stored rows
 ) -> jax.Array:  # f[B, Hq, D]
-    cand = _pick(decode_candidates(impl), (q, k_pages, v_pages, page_table), "decode")
-    return cand.run(q, k_pages, v_pages, page_table, lengths, **_static_opts(scale, sliding_window, soft_cap))
+    heads = _heads_shape(q, k_pages, num_kv_heads)
+    cand = _pick(decode_candidates(impl), (q, heads, heads, page_table), "decode")
+    return _run(cand, q, k_pages, v_pages, heads, page_table, lengths, **_static_opts(scale, sliding_window, soft_cap))
 
 
 def ragged_paged_attention(
     q: jax.Array,  # f[T, Hq, D] packed query tokens
-    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
-    v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D], or as stored: f[num_pages, page_size, W] (pool_shape)
+    v_pages: jax.Array,  # the same shape as k_pages
     page_table: jax.Array,  # i32[max_seqs, pages_per_seq]
     context_lens: jax.Array,  # i32[max_seqs] KV length incl. the new tokens
     query_start_loc: jax.Array,  # i32[max_seqs + 1]
@@ -242,15 +267,11 @@ def ragged_paged_attention(
     sliding_window: int | None = 0,  # None or 0: no window
     soft_cap: float | None = None,  # None or 0: no cap
     impl: str | None = None,
+    num_kv_heads: int | None = None,  # Hkv of pools given as stored rows
 ) -> jax.Array:  # f[T, Hq, D]
-    cand = _pick(ragged_candidates(impl), (q, k_pages, v_pages, page_table), "ragged")
-    return cand.run(
-        q,
-        k_pages,
-        v_pages,
-        page_table,
-        context_lens,
-        query_start_loc,
-        num_seqs,
+    heads = _heads_shape(q, k_pages, num_kv_heads)
+    cand = _pick(ragged_candidates(impl), (q, heads, heads, page_table), "ragged")
+    return _run(
+        cand, q, k_pages, v_pages, heads, page_table, context_lens, query_start_loc, num_seqs,
         **_static_opts(scale, sliding_window, soft_cap),
-    )
+    )  # fmt: skip

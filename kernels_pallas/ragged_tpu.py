@@ -18,7 +18,8 @@ wrapper gathers the block's tokens into that layout with one XLA gather, [NB, Hk
 which also lets the kernel skip any in-kernel transposes; the output comes back the same way and is
 scattered to the packed token axis (padding tokens -> zeros).
 
-KV: the pools stay in HBM (``memory_space=pl.ANY``) viewed, for free, as [num_pages, page_size, Hkv * D].
+KV: the pools stay in HBM (``memory_space=pl.ANY``) as the engine stores them, [num_pages, page_size, W]
+(``common.pool_shape``: a token's heads side by side, W = Hkv * D padded to whole 128-lane rows on a TPU).
 A step fetches ``pages_per_step`` whole pages of K and V (every head: one contiguous DMA per page) into
 a double-buffered VMEM scratch, and head h is the lane slice [h * D, (h + 1) * D) -- 128-lane aligned
 when D % 128 == 0, so no relayout. (D == 64: see "lane windows" below.) Only the steps the block's
@@ -69,6 +70,7 @@ from kernels_pallas.common import (
     is_power_of_2,
     key_mask,
     next_power_of_2,
+    rows_view,
 )
 from kernels_pallas.reference import token_layout
 
@@ -165,7 +167,7 @@ def _vmem_bytes(q: jax.Array, k_pages: jax.Array, block_q: int, pages_per_step: 
     size = q.dtype.itemsize
     kv_tokens = pages_per_step * page_size
     q_and_out = 2 * 2 * num_kv_heads * rows * width * size  # double-buffered by the Pallas pipeline
-    kv = 2 * 2 * kv_tokens * num_kv_heads * head_dim * size  # K and V, two slots each
+    kv = 2 * 2 * kv_tokens * cdiv(num_kv_heads * head_dim, _LANES) * _LANES * size  # K and V, two slots each
     state = num_kv_heads * rows * (width + 2 * _LANES) * 4  # acc, m, l (lane-padded) in f32
     temps = 4 * rows * max(kv_tokens, _LANES) * 4  # logits / p tiles and friends
     return q_and_out + kv + state + temps
@@ -217,13 +219,13 @@ def _ragged_kernel(
     num_seqs_ref,  # i32[1]
     # Inputs.
     q_ref,  # VMEM f[Hkv, G * block_q, W] this block's queries (head-major rows)
-    k_hbm,  # HBM f[num_pages, page_size, Hkv * D]
-    v_hbm,  # HBM f[num_pages, page_size, Hkv * D]
+    k_hbm,  # HBM f[num_pages, page_size, W >= Hkv * D]
+    v_hbm,  # HBM f[num_pages, page_size, W]
     # Output.
     o_ref,  # VMEM f[Hkv, G * block_q, W]
     # Scratch.
-    k_buf,  # VMEM f[2, kv_tokens, Hkv * D] double-buffered KV step
-    v_buf,  # VMEM f[2, kv_tokens, Hkv * D]
+    k_buf,  # VMEM f[2, kv_tokens, W] double-buffered KV step
+    v_buf,  # VMEM f[2, kv_tokens, W]
     sems,  # DMA semaphores [2 (k/v), 2 (slot)]
     slot_ref,  # SMEM i32[1] buffer slot of this block's first KV step (carried across grid steps)
     m_ref,  # VMEM f32[Hkv, G * block_q, 1] running max
@@ -370,19 +372,33 @@ def _ragged_kernel(
         o_ref[h] = (acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "sliding_window", "soft_cap", "block_q", "pages_per_step", "interpret"),
-)
 def ragged_paged_attention(
     q: jax.Array,  # f[T, Hq, D] packed query tokens
     k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D] (new tokens' K/V already written)
     v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    *tables: jax.Array,  # page_table, context_lens, query_start_loc, num_seqs
+    **kw,
+) -> jax.Array:  # f[T, Hq, D], zeros for padding tokens
+    """The kernel on [.., Hkv, D] pools (a free reshape to rows); see `ragged_paged_attention_rows`."""
+    return ragged_paged_attention_rows(
+        q, rows_view(k_pages), rows_view(v_pages), *tables, num_kv_heads=k_pages.shape[2], **kw
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("num_kv_heads", "scale", "sliding_window", "soft_cap", "block_q", "pages_per_step", "interpret"),
+)
+def ragged_paged_attention_rows(
+    q: jax.Array,  # f[T, Hq, D] packed query tokens
+    k_rows: jax.Array,  # f[num_pages, page_size, W]: a pool as stored (common.pool_shape), W >= Hkv * D
+    v_rows: jax.Array,  # f[num_pages, page_size, W]
     page_table: jax.Array,  # i32[max_seqs, pages_per_seq]
     context_lens: jax.Array,  # i32[max_seqs] KV length incl. the new tokens
     query_start_loc: jax.Array,  # i32[max_seqs + 1]
     num_seqs: jax.Array,  # i32[] or i32[1]
     *,
+    num_kv_heads: int,
     scale: float,
     sliding_window: int = 0,
     soft_cap: float | None = None,
@@ -393,9 +409,12 @@ def ragged_paged_attention(
     """``block_q``: query tokens per block (power of 2); ``pages_per_step``: KV pages per DMA/compute step.
     ``interpret``: True for the generic Pallas interpreter, or ``pltpu.InterpretParams()`` for the
     TPU-faithful one (simulated DMAs/semaphores, stricter bounds)."""
-    check_supported(q, k_pages, v_pages, page_table, block_q, pages_per_step)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_pages, page_size, row_width = k_rows.shape
+    k_pages = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), k_rows.dtype)  # for the checks
+    if v_rows.shape != k_rows.shape or row_width < num_kv_heads * head_dim:
+        raise UnsupportedCase(f"pool rows {k_rows.shape} / {v_rows.shape} do not hold {num_kv_heads} x {head_dim}")
+    check_supported(q, k_pages, jax.ShapeDtypeStruct(k_pages.shape, v_rows.dtype), page_table, block_q, pages_per_step)
     group = num_q_heads // num_kv_heads
     max_seqs, pages_per_seq = page_table.shape
     block_q, pages_per_step = block_sizes(q, k_pages, pages_per_seq, block_q, pages_per_step)
@@ -438,7 +457,6 @@ def ragged_paged_attention(
         head_dim=head_dim,
     )
     kv_tokens = pages_per_step * page_size
-    hd = num_kv_heads * head_dim
     block_spec = pl.BlockSpec((None, num_kv_heads, rows, width), lambda b, *_: (b, 0, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
@@ -446,8 +464,8 @@ def ragged_paged_attention(
         in_specs=[block_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=block_spec,
         scratch_shapes=[
-            pltpu.VMEM((2, kv_tokens, hd), k_pages.dtype),
-            pltpu.VMEM((2, kv_tokens, hd), v_pages.dtype),
+            pltpu.VMEM((2, kv_tokens, row_width), k_rows.dtype),
+            pltpu.VMEM((2, kv_tokens, row_width), v_rows.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
             pltpu.SMEM((1,), jnp.int32),
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
@@ -472,9 +490,9 @@ def ragged_paged_attention(
         query_start_loc,
         num_seqs.reshape(1),
         qb,
-        # Free row-major reshapes: a page row holds every head, head h in lanes [h * D, (h + 1) * D).
-        k_pages.reshape(num_pages, page_size, hd),
-        v_pages.reshape(num_pages, page_size, hd),
+        # A page row holds every head, head h in lanes [h * D, (h + 1) * D) (then the row's padding, if any).
+        k_rows,
+        v_rows,
     )
 
     # Back to the packed token axis: token t of sequence s at offset j is row j % bq of block

@@ -179,26 +179,29 @@ def ragged_paged_attention(
 
 
 def write_kv(
-    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
-    v_pages: jax.Array,  # f[num_pages, page_size, Hkv, D]
+    k_pages: jax.Array,  # f[num_pages, page_size, Hkv, D], or as stored: f[num_pages, page_size, W >= Hkv * D]
+    v_pages: jax.Array,  # the same shape as k_pages
     k: jax.Array,  # f[T, Hkv, D] new keys
     v: jax.Array,  # f[T, Hkv, D] new values
     slot_mapping: jax.Array,  # i32[T] flat slot = page * page_size + offset; < 0 or >= pool size: drop
 ) -> tuple[jax.Array, jax.Array]:  # updated (k_pages, v_pages)
     """Scatter new K/V into the pool.
 
-    A single row-scatter on a free reshape of the pool: under ``jit`` with the pool donated XLA updates
-    the buffer in place (no pool-sized copy).
+    A single row-scatter on a free reshape of the pool (its two major axes merged, a token's heads one row): under
+    ``jit`` with the pool donated XLA updates the buffer in place (no pool-sized copy). A stored pool's padding lanes
+    (`common.pool_shape`) are written with zeros.
     """
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    total = num_pages * page_size
+    total = k_pages.shape[0] * k_pages.shape[1]
     slots = slot_mapping.astype(jnp.int32)
     # jnp indexing wraps negative indices before mode="drop" applies, so send them past the end explicitly.
     slots = jnp.where((slots >= 0) & (slots < total), slots, total)
 
     def scatter(pages: jax.Array, new: jax.Array) -> jax.Array:
-        flat = pages.reshape(total, num_kv_heads, head_dim)
-        flat = flat.at[slots].set(new.astype(pages.dtype), mode="drop")
-        return flat.reshape(pages.shape)
+        rows = pages.reshape(total, *pages.shape[2:])
+        if rows.ndim == 2:  # stored rows: a token's heads side by side, zero-padded to the row's width
+            new = new.reshape(new.shape[0], -1)
+            new = jnp.pad(new, ((0, 0), (0, rows.shape[1] - new.shape[1])))
+        rows = rows.at[slots].set(new.astype(pages.dtype), mode="drop")
+        return rows.reshape(pages.shape)
 
     return scatter(k_pages, k), scatter(v_pages, v)

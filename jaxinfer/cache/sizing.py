@@ -67,11 +67,13 @@ class PoolSize:
 
 
 def page_bytes_per_device(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int,
-                          kv_shards: int) -> int:  # fmt: skip
+                          kv_shards: int, lane_multiple: int = 1) -> int:  # fmt: skip
     """Bytes of one page (K and V of every layer) held by one device when the KV heads split `kv_shards` ways
-    (`num_kv_heads` is the count the pool is allocated with, after any replication for tensor parallelism)."""
+    (`num_kv_heads` is the count the pool is allocated with, after any replication for tensor parallelism), with
+    each device's token rows padded to `lane_multiple` elements (kernels_pallas.POOL_LANE_MULTIPLE)."""
     heads = -(-num_kv_heads // kv_shards)
-    return 2 * num_layers * page_size * heads * head_dim * itemsize
+    row = -(-heads * head_dim // lane_multiple) * lane_multiple
+    return 2 * num_layers * page_size * row * itemsize
 
 
 def size_kv_pool(

@@ -51,8 +51,9 @@ from jaxinfer.step import StepInputs, StepPacker, bucket_table, pack, pick_bucke
 
 log = logging.getLogger(__name__)
 
-# Per layer: (k, v) f[num_pages, page_size, Hkv, Dh]; with the scanned layer loop one pair for all layers, the
-# layers stacked on the page axis: f[num_layers * num_pages, page_size, Hkv, Dh] (layer i's pages start at i * P).
+# Per layer: (k, v) f[num_pages, page_size, W] (kernels_pallas.pool_shape: a token's heads side by side in one row,
+# W = Hkv * Dh, padded to whole 128-lane rows on a TPU); with the scanned layer loop one pair for all layers, the
+# layers stacked on the page axis: f[num_layers * num_pages, page_size, W] (layer i's pages start at i * P).
 KVPools = list[tuple[jax.Array, jax.Array]]
 
 
@@ -94,7 +95,7 @@ def _paged_attend(
     cfg: ModelConfig, inp: StepInputs, decode_only: bool, impl: str | None, mesh: Mesh | None, stacked: bool = False
 ):
     def layer_attention(window: int, q, k, v, kp, vp, slots, table, ctx, qsl, nseq):
-        """q f[T, H, Dh]; k, v f[T, Hkv, Dh]; kp, vp f[P, page, Hkv, Dh] -> (out f[T, H, Dh], kp, vp)."""
+        """q f[T, H, Dh]; k, v f[T, Hkv, Dh]; kp, vp f[P, page, W] -> (out f[T, H, Dh], kp, vp)."""
         if slots.shape[0] == 1:
             # XLA rewrites a one-row scatter (a batch-1 decode) as a dynamic-update-slice, and then copied whole
             # pools every layer (tests/engine/test_layer_loop.py): a second, dropped row keeps it a scatter, in place.
@@ -103,6 +104,7 @@ def _paged_attend(
         kp, vp = kernels_pallas.write_kv(kp, vp, k, v, slots)
         opts = dict(scale=cfg.scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap, impl=impl)
         qk = q.astype(kp.dtype)  # a --kv-cache-dtype other than the model's: attend in the pool's dtype
+        opts["num_kv_heads"] = k.shape[1]  # the pools are stored rows (per shard under tensor parallelism)
         if decode_only:
             out = kernels_pallas.paged_decode_attention(qk, kp, vp, table, ctx, **opts)
         else:
@@ -111,7 +113,7 @@ def _paged_attend(
 
     def attend_stacked(i: jax.Array, q, k, v, pools):
         """The scanned layer loop: `i` is the traced layer index, `pools` the (k, v) pools of every layer stacked on
-        the page axis, f[L * P, page, Hkv, Dh]: layer i's pages are i*P .. i*P + P-1, so the kernels and the
+        the page axis, f[L * P, page, W]: layer i's pages are i*P .. i*P + P-1, so the kernels and the
         in-place K/V write run unchanged on offset page ids and slots. (Stored flat: a reshape to and from
         [L, P, ...] inside the loop made XLA copy the whole pool.)"""
         kp, vp = pools
@@ -130,7 +132,7 @@ def _paged_attend(
         if mesh is not None and mesh.shape[MODEL] > 1:
             # Heads are independent: each model shard attends with its own query heads over its own KV heads
             # (kernels run per shard; Pallas inside shard_map needs check_vma=False).
-            heads, pool, rep = P(None, MODEL, None), P(None, None, MODEL, None), P()
+            heads, pool, rep = P(None, MODEL, None), P(None, None, MODEL), P()
             fn = jax.shard_map(
                 fn, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, rep, rep, rep, rep, rep),
                 out_specs=(heads, pool, pool), check_vma=False,
@@ -233,6 +235,15 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str | None = None) -> i
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_cache_dtype or cfg.dtype).itemsize
 
 
+def pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, mesh: Mesh | None = None,
+               backend: str | None = None) -> tuple[int, int, int]:  # fmt: skip
+    """One layer's K (or V) pool as this backend stores it (kernels_pallas.pool_shape), split by KV heads over the
+    mesh's model axis."""
+    lanes = kernels_pallas.POOL_LANE_MULTIPLE.get(backend or jax.default_backend(), 1)
+    shards = mesh.shape[MODEL] if mesh is not None else 1
+    return kernels_pallas.pool_shape(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, lanes, shards)
+
+
 def _free_bytes(devices: list) -> list[int]:
     """Free memory of each device; CPU devices report none, so each gets an equal share of the host's available
     memory (forced host devices all live in it)."""
@@ -255,8 +266,9 @@ def size_pool(cfg: ModelConfig, cc: CacheConfig, mesh: Mesh | None = None) -> Po
     devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
     kv_shards = mesh.shape[MODEL] if mesh is not None else 1
     itemsize = jnp.dtype(cc.kv_cache_dtype or cfg.dtype).itemsize
+    lanes = kernels_pallas.POOL_LANE_MULTIPLE.get(devices[0].platform, 1)  # a stored row's padding (pool_shape)
     page_bytes = page_bytes_per_device(
-        cc.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, itemsize, kv_shards
+        cc.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, itemsize, kv_shards, lanes
     )
     return size_kv_pool(
         backend=devices[0].platform, page_bytes=page_bytes, page_size=cc.block_size, max_num_seqs=cc.max_num_seqs,
@@ -289,7 +301,7 @@ class ModelRunner:
             from jaxinfer.distributed import agree_on
 
             self.num_pages = agree_on(self.num_pages)  # free memory differs between hosts; the pools may not
-        shape = (self.num_pages, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = pool_shape(cfg, self.num_pages, cache.block_size, mesh)
         self.layer_loop, why_loop = choose_layer_loop(cache.layer_loop, cfg, mesh, jax.default_backend())
         if self.layer_loop == "scan":
             from jaxinfer.model.transformer import merge

@@ -26,15 +26,17 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.cache.sizing import page_bytes_per_device
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import CacheConfig
-from jaxinfer.engine.runner import _paged_attend, kv_bytes_per_token, paged_step
+from jaxinfer.engine.runner import _paged_attend, paged_step, pool_shape
 from jaxinfer.engine.transfer import from_flat, to_flat
 from jaxinfer.model.functional import split_model
 from jaxinfer.model.transformer import abstract_model
 from jaxinfer.sampling import build_sampling_tensors
 from jaxinfer.sharding import KV_POOL_AXES, make_mesh, sharded_config, spec, var_axes
 from jaxinfer.step import pack
+from kernels_pallas import POOL_LANE_MULTIPLE
 
 # No TPU is attached here: let several processes load libtpu at once (its lockfile otherwise fails the second one, e.g.
 # two CI runs on one machine), and skip the cloud metadata queries a TPU VM would answer.
@@ -92,14 +94,17 @@ def tpu_devices(topology: str) -> list:
     return list(desc.devices)
 
 
-def pool_pages(cfg: ModelConfig, cc: CacheConfig, hbm_bytes: int, num_devices: int) -> int:
+def pool_pages(cfg: ModelConfig, cc: CacheConfig, hbm_bytes: int, num_devices: int, backend: str) -> int:
     """The engine's pool size on a device with this much memory: half of what the weights leave free."""
     weights = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(abstract_model(cfg)[1]))
     weights *= np.dtype(cfg.dtype).itemsize
     free = hbm_bytes * num_devices - weights
     if free <= 0:
         raise ValueError(f"{weights / 2**30:.1f} GiB of weights do not fit {num_devices} x {hbm_bytes / 2**30} GiB")
-    return int(free * cc.gpu_memory_utilization) // (kv_bytes_per_token(cfg, cc.kv_cache_dtype) * cc.block_size)
+    itemsize = np.dtype(cc.kv_cache_dtype or cfg.dtype).itemsize
+    lanes = POOL_LANE_MULTIPLE.get(backend, 1)  # a TPU pool's rows are padded (kernels_pallas.pool_shape)
+    page = page_bytes_per_device(cc.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, itemsize, 1, lanes)
+    return int(free * cc.gpu_memory_utilization) // page
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,7 @@ def step_args(case: StepCase, devices: list, tp: int, impl: str) -> tuple[tuple,
 
     state = nnx.map_state(place, abstract_model(cfg)[1])
     model_def, weights = split_model(cfg, state)
-    kv_shape = (case.num_pages, cc.block_size, cfg.num_kv_heads, cfg.head_dim)
+    kv_shape = pool_shape(cfg, case.num_pages, cc.block_size, mesh, backend="tpu" if impl == "pallas_tpu" else "gpu")
     kv_dtype = cc.kv_cache_dtype or cfg.dtype
     kv = [(jax.ShapeDtypeStruct(kv_shape, kv_dtype, sharding=pool),) * 2 for _ in range(cfg.num_layers)]
     feed = jax.ShapeDtypeStruct((s,), np.int32, sharding=rep)

@@ -38,6 +38,25 @@ def test_page_bytes_split_over_kv_shards():
     assert page_bytes_per_device(16, 30, 4, 64, 4, 4) == full // 4
 
 
+
+@pytest.mark.parametrize(("heads", "shards", "row"), [(3, 1, 256), (3, 3, 128), (8, 1, 512), (8, 2, 256), (2, 1, 128)])
+def test_page_bytes_count_a_tpu_rows_padding(heads, shards, row):
+    """On a TPU each device's token rows are padded to 128 lanes (kernels_pallas.pool_shape): SmolLM2's 3 x 64 heads
+    take 256 lanes, so a pool sized from HBM must count 256, not 192."""
+    assert page_bytes_per_device(16, 30, heads, 64, 2, shards, 128) == 2 * 30 * 16 * row * 2
+    assert page_bytes_per_device(16, 30, heads, 64, 2, shards, 1) == 2 * 30 * 16 * (heads // shards) * 64 * 2
+
+
+def test_the_runner_stores_rows_padded_on_tpu_only():
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.runner import pool_shape
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=9,
+                      num_kv_heads=3, head_dim=64)  # fmt: skip
+    assert pool_shape(cfg, 10, 16, backend="cpu") == (10, 16, 192)
+    assert pool_shape(cfg, 10, 16, backend="gpu") == (10, 16, 192)
+    assert pool_shape(cfg, 10, 16, backend="tpu") == (10, 16, 256)
+
 def _cpu(**kw):
     args = dict(backend="cpu", page_bytes=2**20, page_size=16, max_num_seqs=32, max_model_len=4096,
                 free_bytes_per_device=[64 * GiB], gpu_memory_utilization=0.5, budget=None)  # fmt: skip

@@ -78,7 +78,7 @@ def test_scanned_pools_are_stacked_and_the_family_layout_comes_back(biases):
     eng = _engine("scan", **biases)
     ((k, v),), cfg = eng.runner.kv, eng.runner.cfg
     assert eng.runner.kv == [(k, v)]
-    assert k.shape == v.shape == (cfg.num_layers * 40, 4, cfg.num_kv_heads, cfg.head_dim)  # layer l: pages l*40..
+    assert k.shape == v.shape == (cfg.num_layers * 40, 4, cfg.num_kv_heads * cfg.head_dim)  # layer l: pages l*40..
     unrolled = _engine("unroll", **biases)
     want = dict(unrolled.runner.params.flat_state())
     got = dict(eng.runner.family_params().flat_state())
@@ -119,7 +119,7 @@ def test_page_copies_round_trip_on_stacked_pools():
     (block,) = runner.pages_to_host(runner.gather_pages([2]))
     layers = lambda a: np.asarray(a).reshape(3, 40, *a.shape[1:])  # noqa: E731  [layer, page, ...]
     k, v = (layers(a) for a in runner.kv[0])
-    assert block.shape == (3, 2, 4, 2, 8)
+    assert block.shape == (3, 2, 4, 2 * 8)  # [layer, K/V, page slot, a token's row]
     np.testing.assert_array_equal(block[:, 0], k[:, 2])
     np.testing.assert_array_equal(block[:, 1], v[:, 2])
     assert np.abs(block).sum() > 0
