@@ -45,6 +45,35 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps, self.offset)
 
 
+TPU_LANES = 128
+
+
+def target_platform() -> str:
+    """The platform a step traced now is compiled for: the default device's (`jax.default_device`, which also the
+    ahead-of-time compiles for TPU topologies set: tests/aot), else the default backend."""
+    device = getattr(jax.config, "jax_default_device", None)
+    if isinstance(device, jax.Device):
+        return device.platform
+    return device if isinstance(device, str) else jax.default_backend()
+
+
+def lookup(
+    table: jax.Array,  # f[V, D]
+    tokens: jax.Array,  # i32[...]
+    one_hot: bool = False,
+) -> jax.Array:  # f[..., D]
+    """Rows of `table`. `one_hot`: as a one-hot matmul, which reads the table where it lies. On a TPU a table whose
+    width is not a whole number of 128 lanes (SmolLM2: 576) gets the least-padded default layout, vocab minor, and
+    a row gather made XLA copy all of it into row-major order every step (56 MB for SmolLM2; tests/aot). Exact: each
+    output is one product with 1.0, accumulated in f32 at full precision."""
+    if not one_hot:
+        return jnp.take(table, tokens, axis=0)
+    hot = tokens[..., None] == jnp.arange(table.shape[0], dtype=tokens.dtype)
+    out = jnp.matmul(hot.astype(table.dtype), table, precision=jax.lax.Precision.HIGHEST,
+                     preferred_element_type=jnp.float32)  # fmt: skip
+    return out.astype(table.dtype)
+
+
 class Embed(nnx.Module):
     """Token embedding f[V, D]; `scale` multiplies by sqrt(D) (Gemma); `attend` gives tied logits."""
 
@@ -53,7 +82,8 @@ class Embed(nnx.Module):
         self.embedding = param(rngs, nnx.initializers.normal(std), (vocab, dim), ("vocab", "embed"), dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding[...], tokens, axis=0)
+        table = self.embedding[...]
+        x = lookup(table, tokens, one_hot=target_platform() == "tpu" and table.shape[1] % TPU_LANES != 0)
         if self.scale:
             # HF Gemma casts the normalizer to the activation dtype before multiplying.
             x = x * jnp.asarray(x.shape[-1] ** 0.5, dtype=x.dtype)
@@ -86,7 +116,7 @@ def project(x: jax.Array, w: jax.Array, num_in: int, out_dtype=None, *, in_branc
     w2, x2 = w.reshape(n, k), x.reshape(rows, k)
     contract = (((1,), (1,)), ((), ()))
     out_bytes = rows * n * jnp.dtype(out_dtype or x.dtype).itemsize
-    if jax.default_backend() != "cpu" or rows > WEIGHT_LEFT_MAX_ROWS or out_bytes > WEIGHT_LEFT_MAX_OUT_BYTES:
+    if target_platform() != "cpu" or rows > WEIGHT_LEFT_MAX_ROWS or out_bytes > WEIGHT_LEFT_MAX_OUT_BYTES:
         y = jax.lax.dot_general(x2, w2, contract, preferred_element_type=out_dtype)
     elif rows == 1 and not in_branch and num_in == 1:
         # Spelled with the transpose: XLA:CPU rewrites a dot over W's own layout into a GEMV library call first.
