@@ -115,7 +115,7 @@ def _long_build(args: dict):
 
 def test_a_stalled_results_reader_gets_merged_messages_in_order():
     """The API side's results reader stops for a second while the core runs flat out: the core does not wait, its
-    updates merge (far fewer messages than steps arrive), and every stream still gets all its tokens in order."""
+    updates merge (fewer messages than steps arrive), and every stream still gets all its tokens in order."""
     import asyncio
 
     from jaxinfer import SamplingParams
@@ -150,6 +150,10 @@ def test_a_stalled_results_reader_gets_merged_messages_in_order():
         vocab = engine.tokenizer.vocab_size
         for ids in asyncio.run(main()):
             assert ids == [(6 + k) % vocab for k in range(tokens)]
-        assert len(received) < tokens / 2, f"{len(received)} messages for {tokens} steps: nothing was merged"
+        # A core that waited on the stalled reader sends one message a step; one that kept going fills the socket's
+        # RESULTS_HWM queue and merges the steps after it. (Not a fixed fraction of the steps: under load the core
+        # makes fewer steps in the stall; a CI run beside other jobs merged 766 of 3000.)
+        merged = tokens - len(received)
+        assert merged >= 50, f"{len(received)} messages for {tokens} steps: nothing was merged"
     finally:
         engine.shutdown()
