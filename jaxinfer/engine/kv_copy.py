@@ -1,7 +1,8 @@
 """Copies of whole KV pages between the device pools and host memory, for the host tier (jaxinfer.cache.host_tier).
 
 Two compiled programs, each in a few sizes (powers of two up to a request's pages) so that serving never compiles:
-- gather: pages -> one device array [layers, 2 (k, v), n, page_size, Hkv, Dh], moved to the host afterwards;
+- gather: pages -> one device array [layers, 2 (k, v), n, page_size, W] (W: a token's row, runner.pool_shape), moved
+  to the host afterwards;
 - scatter: host blocks -> pages, written into the donated pools in place (padding rows target an index past the
   pool, which `mode="drop"` ignores).
 The device runs them in the order they are dispatched with the steps: a gather dispatched before a step reads the
@@ -30,14 +31,14 @@ def copy_buckets(max_pages: int) -> list[int]:
 
 def _page_ids(pool: jax.Array, idx: jax.Array, num_pages: int) -> jax.Array:
     """i32[layers in the pool, n]: where pages `idx` of each layer sit in `pool`, which holds one layer
-    [P, page, Hkv, Dh] or, for the scanned layer loop, every layer stacked on the page axis [L * P, ...] (layer l's
+    [P, page, W] or, for the scanned layer loop, every layer stacked on the page axis [L * P, ...] (layer l's
     page p at l * P + p). Indices past the pool (padding) stay past it."""
     offsets = num_pages * jnp.arange(pool.shape[0] // num_pages, dtype=jnp.int32)[:, None]
     return jnp.where(idx[None, :] < num_pages, idx[None, :] + offsets, pool.shape[0])
 
 
 def _gather(kv: KVPools, idx: jax.Array, num_pages: int) -> jax.Array:
-    """[layers, 2, n, page, Hkv, Dh]"""
+    """[layers, 2, n, page, W]"""
     parts = []
     for k, v in kv:
         ids = _page_ids(k, idx, num_pages)
@@ -67,7 +68,7 @@ class PageCopier:
         self._gather = jax.jit(partial(_gather, num_pages=num_pages))
         self._scatter = jax.jit(partial(_scatter, num_pages=num_pages), donate_argnums=0, out_shardings=shardings)
         k = kv[0][0]
-        self.block_shape = (num_layers, 2, *k.shape[1:])  # one page on the host: [layers, 2, page, Hkv, Dh]
+        self.block_shape = (num_layers, 2, *k.shape[1:])  # one page on the host: [layers, 2, page, W]
         self.dtype = k.dtype
 
     def _chunks(self, n: int) -> list[tuple[int, int, int]]:
@@ -93,7 +94,7 @@ class PageCopier:
 
     @staticmethod
     def to_host(pieces: list[tuple[jax.Array, int]]) -> list[np.ndarray]:
-        """One host block [layers, 2, page, Hkv, Dh] per gathered page, in order."""
+        """One host block [layers, 2, page, W] per gathered page, in order."""
         blocks = []
         for arr, n in pieces:
             host = np.asarray(arr)
