@@ -55,6 +55,21 @@ def rows_view(pages: jax.Array) -> jax.Array:
     return pages.reshape(*pages.shape[:2], pages.shape[2] * pages.shape[3])
 
 
+def heads_shape(pool, num_kv_heads: int, head_dim: int) -> jax.ShapeDtypeStruct:
+    """The [.., Hkv, D] form of a stored pool f[P, page_size, W], as a shape: what the kernels' checks read."""
+    return jax.ShapeDtypeStruct((*pool.shape[:2], num_kv_heads, head_dim), pool.dtype)
+
+
+def rows_as_heads(
+    k_rows, v_rows, num_kv_heads: int, head_dim: int
+) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The [.., Hkv, D] shapes of a kernel's stored K and V pools (`heads_shape`), which must be alike and hold
+    Hkv x D elements a row (a TPU kernel reads the rows themselves)."""
+    if v_rows.shape != k_rows.shape or k_rows.shape[2] < num_kv_heads * head_dim:
+        raise UnsupportedCase(f"pool rows {k_rows.shape} / {v_rows.shape} do not hold {num_kv_heads} x {head_dim}")
+    return heads_shape(k_rows, num_kv_heads, head_dim), heads_shape(v_rows, num_kv_heads, head_dim)
+
+
 def heads_view(pool: jax.Array, num_kv_heads: int, head_dim: int) -> jax.Array:
     """A stored pool f[P, page_size, W] (`pool_shape`) as f[P, page_size, Hkv, D]: a reshape, after a slice when
     the rows are padded (a copy: only a kernel that reads padded rows, the TPU's, avoids it)."""

@@ -49,6 +49,7 @@ from kernels_pallas.common import (
     cdiv,
     check_pool_offsets,
     key_mask,
+    rows_as_heads,
     rows_view,
 )
 
@@ -236,10 +237,7 @@ def paged_decode_attention_rows(
     DMAs/semaphores, stricter bounds)."""
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, lanes = k_rows.shape
-    heads = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), k_rows.dtype)
-    if v_rows.shape != k_rows.shape or lanes < num_kv_heads * head_dim:
-        raise UnsupportedCase(f"pool rows {k_rows.shape} / {v_rows.shape} do not hold {num_kv_heads} x {head_dim}")
-    check_supported(q, heads, jax.ShapeDtypeStruct(heads.shape, v_rows.dtype), page_table, pages_per_step)
+    check_supported(q, *rows_as_heads(k_rows, v_rows, num_kv_heads, head_dim), page_table, pages_per_step)
     group = num_q_heads // num_kv_heads
     pages_per_seq = page_table.shape[1]
     pps = pages_per_step or default_pages_per_step(page_size, pages_per_seq)

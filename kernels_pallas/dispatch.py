@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from kernels_pallas import cpu, decode_gpu, decode_tpu, ragged_cpu, ragged_gpu, ragged_tpu, reference
-from kernels_pallas.common import UnsupportedCase, heads_view, rows_view
+from kernels_pallas.common import UnsupportedCase, heads_shape, heads_view, rows_view
 
 _log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def _heads_shape(q: jax.Array, k_pages: jax.Array, num_kv_heads: int | None) -> 
         return jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
     if num_kv_heads is None:
         raise ValueError("pools given as stored rows f[P, page_size, W] need num_kv_heads")
-    return jax.ShapeDtypeStruct((*k_pages.shape[:2], num_kv_heads, q.shape[-1]), k_pages.dtype)
+    return heads_shape(k_pages, num_kv_heads, q.shape[-1])
 
 
 def _run(cand: _Candidate, q, k_pages, v_pages, heads: jax.ShapeDtypeStruct, *tables, **kw) -> jax.Array:

@@ -70,6 +70,7 @@ from kernels_pallas.common import (
     is_power_of_2,
     key_mask,
     next_power_of_2,
+    rows_as_heads,
     rows_view,
 )
 from kernels_pallas.reference import token_layout
@@ -411,10 +412,8 @@ def ragged_paged_attention_rows(
     TPU-faithful one (simulated DMAs/semaphores, stricter bounds)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, row_width = k_rows.shape
-    k_pages = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), k_rows.dtype)  # for the checks
-    if v_rows.shape != k_rows.shape or row_width < num_kv_heads * head_dim:
-        raise UnsupportedCase(f"pool rows {k_rows.shape} / {v_rows.shape} do not hold {num_kv_heads} x {head_dim}")
-    check_supported(q, k_pages, jax.ShapeDtypeStruct(k_pages.shape, v_rows.dtype), page_table, block_q, pages_per_step)
+    k_pages, v_pages = rows_as_heads(k_rows, v_rows, num_kv_heads, head_dim)  # the shapes the checks read
+    check_supported(q, k_pages, v_pages, page_table, block_q, pages_per_step)
     group = num_q_heads // num_kv_heads
     max_seqs, pages_per_seq = page_table.shape
     block_q, pages_per_step = block_sizes(q, k_pages, pages_per_seq, block_q, pages_per_step)
