@@ -38,7 +38,6 @@ def test_page_bytes_split_over_kv_shards():
     assert page_bytes_per_device(16, 30, 4, 64, 4, 4) == full // 4
 
 
-
 @pytest.mark.parametrize(("heads", "shards", "row"), [(3, 1, 256), (3, 3, 128), (8, 1, 512), (8, 2, 256), (2, 1, 128)])
 def test_page_bytes_count_a_tpu_rows_padding(heads, shards, row):
     """On a TPU each device's token rows are padded to 128 lanes (kernels_pallas.pool_shape): SmolLM2's 3 x 64 heads
@@ -56,6 +55,7 @@ def test_the_runner_stores_rows_padded_on_tpu_only():
     assert pool_shape(cfg, 10, 16, backend="cpu") == (10, 16, 192)
     assert pool_shape(cfg, 10, 16, backend="gpu") == (10, 16, 192)
     assert pool_shape(cfg, 10, 16, backend="tpu") == (10, 16, 256)
+
 
 def _cpu(**kw):
     args = dict(backend="cpu", page_bytes=2**20, page_size=16, max_num_seqs=32, max_model_len=4096,
@@ -112,3 +112,17 @@ def test_server_flag_takes_sizes_and_rejects_nonsense(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--kv-cache-memory", "lots"])
     assert "--kv-cache-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "shards"), [(3, 64, 1), (4, 64, 2), (6, 64, 2), (8, 128, 4), (1, 256, 1)]
+)
+def test_page_bytes_are_the_bytes_of_the_pools_allocated(backend, heads, head_dim, shards):
+    """Sizing (jax-free, so it keeps its own row arithmetic) counts exactly the rows kernels_pallas.pool_shape gives
+    the runner's pools: one device's share of a page, K and V of every layer."""
+    from kernels_pallas import POOL_LANE_MULTIPLE, pool_shape
+
+    lanes = POOL_LANE_MULTIPLE.get(backend, 1)
+    row = pool_shape(1, 16, heads, head_dim, lanes, shards)[2] // shards
+    assert page_bytes_per_device(16, 30, heads, head_dim, 2, shards, lanes) == 2 * 30 * 16 * row * 2
