@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import mmap
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +28,8 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
+
+from jaxinfer.gguf_file import read_gguf
 
 __all__ = [
     "ChatTemplateError",
@@ -481,21 +481,6 @@ def _bos_eos_processor(tk: tokenizers.Tokenizer, bos: str | None, eos: str | Non
 
 # ---- GGUF --------------------------------------------------------------------------------------------------
 
-# GGUF value types -> struct format of one scalar.
-_GGUF_SCALARS = {
-    gguf.GGUFValueType.UINT8: "<B",
-    gguf.GGUFValueType.INT8: "<b",
-    gguf.GGUFValueType.UINT16: "<H",
-    gguf.GGUFValueType.INT16: "<h",
-    gguf.GGUFValueType.UINT32: "<I",
-    gguf.GGUFValueType.INT32: "<i",
-    gguf.GGUFValueType.FLOAT32: "<f",
-    gguf.GGUFValueType.BOOL: "<?",
-    gguf.GGUFValueType.UINT64: "<Q",
-    gguf.GGUFValueType.INT64: "<q",
-    gguf.GGUFValueType.FLOAT64: "<d",
-}
-
 
 def _wanted_gguf_key(key: str) -> bool:
     return key.startswith("tokenizer.") or key == "general.architecture"
@@ -509,80 +494,11 @@ def _gguf_tokenizer_metadata(source: str | Path | gguf.GGUFReader | Mapping[str,
     path = Path(source)
     if not path.is_file():
         raise TokenizerNotFoundError(f"GGUF file {path} does not exist")
-    return _scan_gguf_metadata(path)
-
-
-def _scan_gguf_metadata(path: Path) -> dict[str, Any]:
-    """The tokenizer's key/values of a GGUF file, read straight from its header.
-
-    gguf.GGUFReader also maps every tensor and makes a numpy view per array element, which takes ~10 s for
-    Gemma's 262k-token vocabulary; the tokenizer needs only the metadata, which parses in a fraction of that.
-    Big-endian files (rare) go through GGUFReader.
-    """
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise UnsupportedTokenizerError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
-        (version,) = struct.unpack_from("<I", buf, 4)
-        if version & 0xFFFF == 0:  # a byte-swapped version number: big-endian file
-            return _gguf_tokenizer_metadata(gguf.GGUFReader(path))
-        _, kv_count = struct.unpack_from("<QQ", buf, 8)
-        reader = _GGUFMetadataReader(buf, 24)
-        meta: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key = reader.string()
-            value_type = reader.u32()
-            value = reader.value(value_type)
-            if _wanted_gguf_key(key):
-                meta[key] = value
-        return meta
-
-
-class _GGUFMetadataReader:
-    """Sequential little-endian reader of GGUF metadata values."""
-
-    def __init__(self, buf: mmap.mmap, offset: int) -> None:
-        self.buf = buf
-        self.offset = offset
-
-    def u32(self) -> int:
-        (v,) = struct.unpack_from("<I", self.buf, self.offset)
-        self.offset += 4
-        return v
-
-    def u64(self) -> int:
-        (v,) = struct.unpack_from("<Q", self.buf, self.offset)
-        self.offset += 8
-        return v
-
-    def string(self) -> str:
-        n = self.u64()
-        raw = self.buf[self.offset : self.offset + n]
-        self.offset += n
-        # Vocab entries are UTF-8; a torn multi-byte token must not make the whole file unreadable.
-        return raw.decode("utf-8", errors="replace")
-
-    def value(self, value_type: int) -> Any:
-        if value_type == gguf.GGUFValueType.STRING:
-            return self.string()
-        if value_type == gguf.GGUFValueType.ARRAY:
-            return self.array()
-        fmt = _GGUF_SCALARS.get(value_type)
-        if fmt is None:
-            raise UnsupportedTokenizerError(f"unknown GGUF value type {value_type}")
-        (v,) = struct.unpack_from(fmt, self.buf, self.offset)
-        self.offset += struct.calcsize(fmt)
-        return v
-
-    def array(self) -> list[Any]:
-        elem_type = self.u32()
-        count = self.u64()
-        fmt = _GGUF_SCALARS.get(elem_type)
-        if fmt is not None:  # numbers: one numpy read instead of `count` struct calls
-            dtype = np.dtype(fmt)
-            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.offset)
-            self.offset += count * dtype.itemsize
-            return values.tolist()
-        return [self.value(elem_type) for _ in range(count)]
+    try:
+        meta = read_gguf(path, tensors=False).metadata
+    except ValueError as e:
+        raise UnsupportedTokenizerError(str(e)) from e
+    return {k: v for k, v in meta.items() if _wanted_gguf_key(k)}
 
 
 def _tokenizer_from_gguf_metadata(cls: type[Tokenizer], meta: Mapping[str, Any]) -> Tokenizer:
