@@ -1,7 +1,7 @@
 """Tests of the online serving benchmark (benchmarks/bench_serving.py): the metric arithmetic against hand-computed
 values (percentiles, TPOT, ITL, goodput, throughputs), the SSE parsing, the arrival process and the workload, and a
-smoke run of `main` against an in-process jaxinfer server (real uvicorn on a loopback port, a real engine on
-random weights at the `tiny` shape; the SmolLM2 tokenizer). No timing is compared to anything.
+smoke run of `main` against an in-process jaxinfer server (real uvicorn on a loopback port, the real engine on the
+tiny random-weight checkpoint of tests/tiny_model.py, with SmolLM2's tokenizer). No timing is compared to anything.
 """
 
 from __future__ import annotations
@@ -301,28 +301,22 @@ def test_launch_commands() -> None:
 
 
 class TinyServer:
-    """serve.py's app and uvicorn server in this process, its engine a real `Engine` on random weights at the
-    `tiny` shape with SmolLM2's vocabulary size (so every tokenizer id is valid)."""
+    """serve.py's app and uvicorn server in this process, its engine the real one (built from the server's args,
+    in this process) on the tiny checkpoint and settings every live-server test uses (tests/tiny_model.py): the
+    compiled steps come from the XLA cache."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, model: Path):
         import uvicorn
 
-        from benchmarks.common import SHAPES, random_params
-        from jaxinfer.config import ModelConfig
-        from jaxinfer.engine.config import CacheConfig
-        from jaxinfer.engine.engine import Engine
+        from jaxinfer.engine.build import build_engine
         from jaxinfer.server.app import build_app
-        from jaxinfer.server.args import ServerArgs
+        from jaxinfer.server.args import parse_args
         from jaxinfer.server.http import DrainingServer
+        from tests.tiny_model import settings_flags
 
-        def loader(args):
-            cfg = ModelConfig(**(SHAPES["tiny"] | dict(vocab_size=tokenizer.vocab_size)), dtype="float32")
-            cache = CacheConfig(block_size=16, num_pages=32, max_model_len=128, max_num_seqs=4,
-                                max_num_batched_tokens=32)  # fmt: skip
-            return Engine(cfg, random_params(cfg, seed=0), cache, tokenizer.eos_token_ids, None, 0), tokenizer
-
-        self.args = ServerArgs(model="tiny", port=bs.free_port())
-        app = build_app(self.args, loader)
+        self.args = parse_args(["--model", str(model), "--served-model-name", "tiny", "--port", str(bs.free_port()),
+                                *settings_flags()])  # fmt: skip
+        app = build_app(self.args, build_engine)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.args.port, log_level="warning",
                                 timeout_graceful_shutdown=1)  # fmt: skip
         self.server = DrainingServer(config, app.state.ctx.state, 5)
@@ -345,8 +339,12 @@ class TinyServer:
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tokenizer):
-    srv = TinyServer(tokenizer)
+def tiny_server(tmp_path_factory):
+    from tests.tiny_model import write_tiny_model
+
+    model = tmp_path_factory.mktemp("tiny") / "ck"
+    write_tiny_model(model)
+    srv = TinyServer(model)
     yield srv
     srv.close()
 

@@ -1,6 +1,6 @@
 """One live server (serve.py in a subprocess) shared by the client tests: `jaxinfer chat`/`complete` and
 lm-evaluation-harness. The model is a tiny random-weight Llama with SmolLM2's tokenizer, so start-up compiles in
-seconds; its settings are test_echo_logprobs's, so the compiled steps come from the XLA cache."""
+seconds; it and its settings are tests/tiny_model.py's, as every other live server's: they share compiled steps."""
 
 from __future__ import annotations
 
@@ -9,21 +9,17 @@ import os
 import pytest
 
 from tests.server.conftest import API_KEY, REPO, ServerProcess, start_server, wait_ready
-from tests.server.test_echo_logprobs import SETTINGS, _write_tiny_model
+from tests.tiny_model import settings_flags, write_tiny_model
 
 MODEL_NAME = "tiny"
 # Subprocesses import this checkout's jaxinfer, on CPU.
 REPO_ENV = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
 
 
-def settings_flags() -> list[str]:
-    return [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
-
-
 @pytest.fixture(scope="package")
 def tiny_model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny") / "ckpt"
-    _write_tiny_model(path)
+    write_tiny_model(path)
     return str(path)
 
 

@@ -58,9 +58,9 @@ def test_env_reports_backend_and_versions():
 
 def test_generate_prints_what_llm_generates(tiny_model, capsys):
     from jaxinfer import LLM, SamplingParams
-    from tests.server.test_echo_logprobs import SETTINGS
+    from tests.tiny_model import SETTINGS, settings_flags
 
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
+    flags = settings_flags()
     prompts = ["Hello there", "The capital of France is"]
     assert main(["generate", "--model", tiny_model, "--no-chat", "--max-tokens", "6", *flags,
                  *(a for p in prompts for a in ("--prompt", p))]) == 0  # fmt: skip

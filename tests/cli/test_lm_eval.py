@@ -16,7 +16,7 @@ import pytest
 
 from tests.cli.conftest import MODEL_NAME
 from tests.server.conftest import API_KEY
-from tests.server.test_echo_logprobs import SETTINGS
+from tests.tiny_model import SETTINGS
 
 DATA = Path(__file__).parent / "data" / "tiny_tasks.jsonl"
 BASE = {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(DATA)}}, "test_split": "test"}

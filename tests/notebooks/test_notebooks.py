@@ -35,9 +35,9 @@ def test_committed_without_outputs_and_opens_with_the_install(name: str):
 
 def test_notebooks_execute_on_cpu(monkeypatch, tmp_path):
     if os.environ.get("JAXINFER_NOTEBOOK_MODEL") is None:
-        from tests.server.test_echo_logprobs import _write_tiny_model
+        from tests.tiny_model import write_tiny_model
 
-        _write_tiny_model(tmp_path / "tiny")
+        write_tiny_model(tmp_path / "tiny")
         monkeypatch.setenv("JAXINFER_NOTEBOOK_MODEL", str(tmp_path / "tiny"))
     elif not os.environ["JAXINFER_NOTEBOOK_MODEL"]:
         monkeypatch.delenv("JAXINFER_NOTEBOOK_MODEL")  # empty: the notebooks' own default model

@@ -9,30 +9,17 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxinfer.types import SamplingParams
+from tests.tiny_model import SETTINGS, settings_flags, write_tiny_model
 
 PROMPTS = ["The capital of France is", "def add(a, b):"]
 K = 3  # logprobs
 MAX_TOKENS = 5
 BODY = {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": K}
-# The settings of test_engine_process's reference engine: the compiled steps come from the XLA cache.
-SETTINGS = {"max_model_len": 128, "num_kv_tokens": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 32}
-
-
-def _write_tiny_model(path: Path) -> None:
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.model import init_params
-    from jaxinfer.model_files import smollm2_gguf
-    from jaxinfer.weights.checkpoint import save_checkpoint
-
-    cfg = ModelConfig(arch="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
-    save_checkpoint(path, cfg, init_params(cfg, seed=0), source={"kind": "gguf", "path": str(smollm2_gguf())})
 
 
 def _forward_logprobs(runner, prompt: list[int]) -> np.ndarray:
@@ -60,7 +47,7 @@ def served(tmp_path_factory):
     from jaxinfer.server.args import ServerArgs
 
     path = tmp_path_factory.mktemp("tiny-echo") / "ck"
-    _write_tiny_model(path)
+    write_tiny_model(path)
     llm = LLM(str(path), **SETTINGS)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=K, prompt_logprobs=K)
@@ -246,3 +233,22 @@ def test_params_and_limits(served):
     lp = client.post("/v1/completions", json={**BODY, "prompt": PROMPTS[0], "logprobs": 0}).json()["choices"][0]
     tops = lp["logprobs"]["top_logprobs"]
     assert tops[0] is None and all(len(t) == 1 for t in tops[1:])
+
+
+def test_a_raised_logprobs_cap_is_honoured(tmp_path):
+    """--max-logprobs above the default (20) reaches the engine: that many alternatives come back per token and one
+    more is refused naming the parameter. (The live servers keep the default cap: a raised one compiles other
+    steps. Their 400 for a request past the cap is tests/server/test_never_down.py's.)"""
+    from jaxinfer import LLM
+    from jaxinfer.server.args import parse_args
+
+    write_tiny_model(tmp_path / "ck")
+    args = parse_args(["--model", str(tmp_path / "ck"), "--max-logprobs", "30", *settings_flags()])
+    settings = {k: getattr(args, k) for k in (*SETTINGS, "max_logprobs")}  # the server's engine fields
+    with LLM(args.model, **settings) as llm:
+        assert llm.engine.cc.max_logprobs == 30
+        out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, logprobs=30), use_tqdm=False)[0].outputs[0]
+        # The 30 most likely, plus the sampled token when it is not among them.
+        assert all(len(e) in (30, 31) and tok in e for tok, e in zip(out.token_ids, out.logprobs, strict=True))
+        with pytest.raises(ValueError, match="logprobs: at most 30"):
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=1, logprobs=31), use_tqdm=False)

@@ -23,36 +23,22 @@ import pytest
 
 from tests.server.conftest import ServerProcess, metric, start_server, wait_ready
 from tests.server.fake_engine import FakeEngine
+from tests.tiny_model import SETTINGS, settings_flags, write_tiny_model
 
 FAIL_TOKEN = 999  # a prompt ending with it makes the fake core's engine raise in its step
 
-# A small pool and step budget: 4 compiled step shapes.
-TINY_ARGS = ["--max-model-len", "128", "--num-kv-tokens", "1024", "--max-num-seqs", "8",
-             "--max-num-batched-tokens", "32"]  # fmt: skip
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
-
-
-def _write_tiny_model(path: Path) -> None:
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.model import init_params
-    from jaxinfer.model_files import smollm2_gguf
-    from jaxinfer.weights.checkpoint import save_checkpoint
-
-    # SmolLM2's vocabulary (its tokenizer comes from the GGUF named as the checkpoint's source).
-    cfg = ModelConfig(arch="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
-    save_checkpoint(path, cfg, init_params(cfg, seed=0), source={"kind": "gguf", "path": str(smollm2_gguf())})
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny") / "ck"
-    _write_tiny_model(path)
+    write_tiny_model(path)
     return path
 
 
 def _start(model: Path, log_path: Path, *extra: str) -> ServerProcess:
-    return start_server(log_path, "--model", str(model), *TINY_ARGS, *extra)  # later flags win over conftest's
+    return start_server(log_path, "--model", str(model), *settings_flags(), *extra)  # later flags win over conftest's
 
 
 def _core_pid(srv: ServerProcess, timeout: float = 60) -> int:
@@ -97,8 +83,7 @@ def reference(tiny_model):
     """The in-process engine on the same model and settings."""
     from jaxinfer import LLM
 
-    with LLM(str(tiny_model), max_model_len=128, num_kv_tokens=1024, max_num_seqs=8,
-             max_num_batched_tokens=32) as llm:  # fmt: skip
+    with LLM(str(tiny_model), **SETTINGS) as llm:
         yield llm
 
 
