@@ -28,25 +28,29 @@ TEXTS = [
 ]
 
 
+SMOL_SETTINGS = dict(num_kv_tokens=8192, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128)
+# test_paged_engine.py's Gemma 3 engine (test_paged_equals_contiguous[gemma3-8-32-8]): its compiled steps.
+GEMMA_SETTINGS = dict(block_size=8, num_kv_tokens=512, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
+
+
 @pytest.fixture(scope="module")
 def smol():
-    with LLM(str(smollm2_gguf()), num_kv_tokens=8192, max_model_len=512, max_num_seqs=16,
-             max_num_batched_tokens=128) as llm:  # fmt: skip
+    with LLM(str(smollm2_gguf()), **SMOL_SETTINGS) as llm:
         yield llm
 
 
-# Gemma 3 (262k vocabulary: a costly LM head) takes half the requests and rows: still twice as many requests as rows.
-@pytest.mark.parametrize("which, num_requests, max_seqs", [("smollm2", 64, 32), ("gemma3", 32, 16)])
-def test_batched_greedy_equals_alone(which, num_requests, max_seqs):
+# Gemma 3 (262k vocabulary: a costly LM head) takes half the requests. Both run 4 times as many requests as rows,
+# with settings other tests use too: the compiled steps (~2 s each on the CI machine class) are shared.
+@pytest.mark.parametrize("which, num_requests", [("smollm2", 64), ("gemma3", 32)])
+def test_batched_greedy_equals_alone(which, num_requests):
     """Mixed requests in one generate(), more than fit at once, give the same tokens as each request alone (every
     fourth request is run alone: all of them alone were most of this test's time on the CI machine class)."""
-    path = smollm2_gguf() if which == "smollm2" else gemma3_270m_gguf()
+    path, settings = (smollm2_gguf(), SMOL_SETTINGS) if which == "smollm2" else (gemma3_270m_gguf(), GEMMA_SETTINGS)
     rng = random.Random(0)
     prompts = [" ".join(rng.sample(TEXTS, 2))[: rng.randint(5, 60)] for _ in range(num_requests)]
     lens = [rng.randint(1, 6 if which == "smollm2" else 3) for _ in prompts]
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in lens]
-    with LLM(str(path), num_kv_tokens=8192, max_model_len=256, max_num_seqs=max_seqs,
-             max_num_batched_tokens=128) as llm:  # fmt: skip
+    with LLM(str(path), **settings) as llm:
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         picked = range(0, len(prompts), 4)
         alone = [llm.generate(prompts[i], params[i], use_tqdm=False)[0].outputs[0].token_ids for i in picked]

@@ -14,6 +14,9 @@ from jaxinfer.types import SamplingParams
 from jaxinfer.weights import load_weights
 
 NEW = 12
+# Most tests share the settings of test_paged_equals_contiguous[smollm2-8-32-8] (8 rows) or test_abort_returns_pages
+# (4 rows), a 64-page pool and a 32-token step budget: the same compiled steps (SmolLM2's cost ~2 s each on the CI
+# machine class), read back from the XLA cache. Those that need a small pool (preemption, eviction) have their own.
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
@@ -70,7 +73,7 @@ def test_preemption_keeps_outputs(smol):
 
 def test_steady_workload_compiles_nothing_after_warmup(smol):
     cfg, params, prompts, _ = smol
-    cc = CacheConfig(block_size=8, num_pages=96, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    cc = CacheConfig(block_size=8, num_pages=64, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
     eng = Engine(cfg, params, cc)
     eng.runner.warmup()
     before = compile_count()
@@ -120,10 +123,10 @@ def test_prefix_cache_prefills_only_the_suffix(smol):
     shared = rng.integers(3, 1000, 40).tolist()
     a, b = shared + [7, 8, 9], shared + [11, 12]
     cold = Engine(cfg, params, CacheConfig(block_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
-                                           max_num_batched_tokens=64, enable_prefix_caching=False))  # fmt: skip
+                                           max_num_batched_tokens=32, enable_prefix_caching=False))  # fmt: skip
     ref_b = cold.generate([b], GREEDY)[0][0].output_token_ids
     eng = Engine(cfg, params, CacheConfig(block_size=8, num_pages=64, max_model_len=128, max_num_seqs=4,
-                                          max_num_batched_tokens=64))  # fmt: skip
+                                          max_num_batched_tokens=32))  # fmt: skip
     eng.generate([a], GREEDY)
     before = eng.num_prefilled_tokens
     out_b = eng.generate([b], GREEDY)[0][0].output_token_ids
