@@ -15,6 +15,7 @@ import pexpect
 import pytest
 
 from tests.cli.conftest import API_KEY, MODEL_NAME, REPO_ENV
+from tests.tiny_model import SETTINGS
 
 SYSTEM = "You are terse."
 TURNS = ["What is the capital of France?", "And of Italy?"]
@@ -104,7 +105,7 @@ def test_chat_streams_keeps_history_and_resets(chat, live_server):
 
 def test_chat_survives_a_refused_message(chat, live_server):
     # Longer than the server's context: a 400. The session goes on and the message is not kept in the history.
-    chat.sendline("word " * 200)
+    chat.sendline("word " * (SETTINGS["max_model_len"] + 50))
     chat.expect_exact("[error: ")
     chat.expect_exact("> ")
     answer, _ = _answer(chat, TURNS[0])

@@ -123,8 +123,8 @@ def test_validation_is_the_engines(reference):
         ([1, 2, 3], sp()),
         ([], sp()),
         ([1, 49152], sp()),
-        ([1] * 100, sp(max_tokens=29)),
-        ([1] * 100, sp(max_tokens=28)),
+        ([1] * 100, sp(max_tokens=SETTINGS["max_model_len"] - 99)),  # one past the context
+        ([1] * 100, sp(max_tokens=SETTINGS["max_model_len"] - 100)),
         ([1], sp(logprobs=20)),
         ([1], sp(logprobs=20, prompt_logprobs=20)),
         ([1], sp(logit_bias={60000: 1.0})),
@@ -210,7 +210,8 @@ def test_concurrent_streams(server, reference):
             if "jaxinfer:kv_cache_used_pages 0.0" in metrics or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-    assert "jaxinfer:kv_cache_used_pages 0.0" in metrics and "jaxinfer:kv_cache_total_pages 64.0" in metrics
+    pages = SETTINGS["num_kv_tokens"] // 16  # pages of the default 16 tokens
+    assert "jaxinfer:kv_cache_used_pages 0.0" in metrics and f"jaxinfer:kv_cache_total_pages {pages}.0" in metrics
     assert "jaxinfer:num_requests_in_flight 0.0" in metrics
 
 
