@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# The engine settings, as LLM()/EngineArgs keywords: the notebooks' small ones (notebooks/*.ipynb, which
+# The default model's (SmolLM2's) settings for every test that runs it through LLM(), an Engine or the live API
+# server (tests/server/conftest.py): the steps the engine tests compile, the server's warm-up loads.
+SMOLLM2_SETTINGS = {"num_kv_tokens": 4096, "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+
+# The tiny model's settings, as LLM()/EngineArgs keywords: the notebooks' small ones (notebooks/*.ipynb, which
 # tests/notebooks runs on this model), so their engines and server load these steps too.
 SETTINGS = {"max_model_len": 256, "num_kv_tokens": 2048, "max_num_seqs": 4, "max_num_batched_tokens": 32}
 
 
-def settings_flags() -> list[str]:
-    """SETTINGS as serve.py / `jaxinfer serve` flags."""
-    return [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
+def settings_flags(settings: dict | None = None) -> list[str]:
+    """`settings` (default: SETTINGS) as serve.py / `jaxinfer serve` flags."""
+    return [f"--{k.replace('_', '-')}={v}" for k, v in (SETTINGS if settings is None else settings).items()]
 
 
 def write_tiny_model(path: Path) -> None:

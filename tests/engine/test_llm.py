@@ -15,6 +15,7 @@ from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.model import init_params
 from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
+from tests.tiny_model import SMOLLM2_SETTINGS
 
 TEXTS = [
     "The capital of France is",
@@ -28,7 +29,7 @@ TEXTS = [
 ]
 
 
-SMOL_SETTINGS = dict(num_kv_tokens=8192, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128)
+SMOL_SETTINGS = SMOLLM2_SETTINGS  # the live API server's (tests/server/conftest.py): it loads these steps
 # test_paged_engine.py's Gemma 3 engine (test_paged_equals_contiguous[gemma3-8-32-8]): its compiled steps.
 GEMMA_SETTINGS = dict(block_size=8, num_kv_tokens=512, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
 
@@ -39,7 +40,7 @@ def smol():
         yield llm
 
 
-# Gemma 3 (262k vocabulary: a costly LM head) takes half the requests. Both run 4 times as many requests as rows,
+# Gemma 3 (262k vocabulary: a costly LM head) takes half the requests. Both run 4-8 times as many requests as rows,
 # with settings other tests use too: the compiled steps (~2 s each on the CI machine class) are shared.
 @pytest.mark.parametrize("which, num_requests", [("smollm2", 64), ("gemma3", 32)])
 def test_batched_greedy_equals_alone(which, num_requests):

@@ -13,6 +13,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.model import init_params
 from jaxinfer.model_files import smollm2_gguf
 from jaxinfer.weights import load_model
+from tests.tiny_model import SMOLLM2_SETTINGS
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,12 @@ def _run(loaded, overlap: bool, cache: CacheConfig, prompts, params):
 @pytest.mark.parametrize(
     "cache",
     [
-        CacheConfig(block_size=16, num_pages=512, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128),
+        # SMOLLM2_SETTINGS (test_llm's, the live server's), whose compiled steps are shared.
+        CacheConfig(
+            block_size=16,
+            num_pages=SMOLLM2_SETTINGS["num_kv_tokens"] // 16,
+            **{k: SMOLLM2_SETTINGS[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")},
+        ),
         # A pool of 40 pages for 16 running sequences: requests are preempted and recomputed.
         CacheConfig(block_size=8, num_pages=40, max_model_len=320, max_num_seqs=16, max_num_batched_tokens=64),
     ],
@@ -130,8 +136,7 @@ def test_llm_stop_strings_and_text_identical_with_overlap(smol):
     texts = {}
     for overlap in (True, False):
         # The "roomy" shapes above (and test_llm's): the compiled steps are reused.
-        with LLM(str(smollm2_gguf()), num_kv_tokens=8192, max_model_len=512, max_num_seqs=16,
-                 max_num_batched_tokens=128, overlap_scheduling=overlap) as llm:  # fmt: skip
+        with LLM(str(smollm2_gguf()), **SMOLLM2_SETTINGS, overlap_scheduling=overlap) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
             texts[overlap] = [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
             assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
