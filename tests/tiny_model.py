@@ -1,5 +1,6 @@
 """The tiny random-weight Llama (SmolLM2's vocabulary and tokenizer) that every test of a live server, client or
-notebook runs, and the one set of engine settings they all use.
+notebook runs, and the one set of engine settings they all use; and the one set the tests that run the real SmolLM2
+(engine tests and the live API server) use.
 
 One model and one set of settings: the steps the first server compiles are in the persistent XLA cache, and every
 later server, in-process engine and notebook kernel loads them instead of compiling its own (~2 s a step on the CI

@@ -29,14 +29,13 @@ TEXTS = [
 ]
 
 
-SMOL_SETTINGS = SMOLLM2_SETTINGS  # the live API server's (tests/server/conftest.py): it loads these steps
 # test_paged_engine.py's Gemma 3 engine (test_paged_equals_contiguous[gemma3-8-32-8]): its compiled steps.
 GEMMA_SETTINGS = dict(block_size=8, num_kv_tokens=512, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
 def smol():
-    with LLM(str(smollm2_gguf()), **SMOL_SETTINGS) as llm:
+    with LLM(str(smollm2_gguf()), **SMOLLM2_SETTINGS) as llm:
         yield llm
 
 
@@ -46,7 +45,7 @@ def smol():
 def test_batched_greedy_equals_alone(which, num_requests):
     """Mixed requests in one generate(), more than fit at once, give the same tokens as each request alone (every
     fourth request is run alone: all of them alone were most of this test's time on the CI machine class)."""
-    path, settings = (smollm2_gguf(), SMOL_SETTINGS) if which == "smollm2" else (gemma3_270m_gguf(), GEMMA_SETTINGS)
+    path, settings = (smollm2_gguf(), SMOLLM2_SETTINGS) if which == "smollm2" else (gemma3_270m_gguf(), GEMMA_SETTINGS)
     rng = random.Random(0)
     prompts = [" ".join(rng.sample(TEXTS, 2))[: rng.randint(5, 60)] for _ in range(num_requests)]
     lens = [rng.randint(1, 6 if which == "smollm2" else 3) for _ in prompts]
