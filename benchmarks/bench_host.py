@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_latency import bare_step, capture_steps
+from benchmarks.bench_latency import bare_step, capture_steps, recordable
 from benchmarks.common import fill_defaults, format_table, int_list, load_avg, metadata, random_params, shape_config
 
 FULL_DEFAULTS: dict[str, Any] = dict(batch="1,32,256", prompt_len=32, steps=48, warmup_steps=8, bare_iters=20,
@@ -55,12 +55,12 @@ def build(args: argparse.Namespace, max_seqs: int, overlap: bool) -> tuple[Any, 
                         enable_prefix_caching=False)  # fmt: skip
     if args.shape:
         cfg = shape_config(args.shape, args.dtype or "bfloat16")
-        return Engine(cfg, random_params(cfg, seed=0), cache, (), args.attn_impl, 0, overlap=overlap), None
+        return recordable(Engine(cfg, random_params(cfg, seed=0), cache, (), args.attn_impl, 0, overlap=overlap)), None
     from jaxinfer.weights import load_model
 
     loaded = _MODELS.get(args.model) or _MODELS.setdefault(args.model, load_model(args.model, dtype=args.dtype))
     eng = Engine(loaded.config, loaded.params, cache, (), args.attn_impl, 0, overlap=overlap)
-    return eng, loaded.tokenizer
+    return recordable(eng), loaded.tokenizer
 
 
 _MODELS: dict[str, Any] = {}

@@ -78,7 +78,15 @@ def build_engine(args: argparse.Namespace) -> Any:
         layer_loop=args.layer_loop,
     )  # fmt: skip
     # The plain loop: each timed step() runs and collects its own step (bench_host measures overlap scheduling).
-    return Engine(cfg, params, cache, (), args.attn_impl, args.seed, overlap=False)
+    return recordable(Engine(cfg, params, cache, (), args.attn_impl, args.seed, overlap=False))
+
+
+def recordable(engine: Any) -> Any:
+    """`engine` with its executable cache off, so that `capture_steps` sees its steps: a step loaded or compiled
+    through that cache never calls `paged_step`. The cache is on wherever jax's compilation cache is (the test
+    suite, a JAX_COMPILATION_CACHE_DIR in the environment)."""
+    engine.runner.exec_cache = None
+    return engine
 
 
 def decode_tokens(args: argparse.Namespace, batch: int) -> int:

@@ -8,9 +8,12 @@ dynamic argument (params pytree, KV pools, step buffers: generic over how params
 (model config, layout, flags, kernel choice, mesh), the caller's extra key (the cache config) and a hash of this
 package's own source files (a code change invalidates every entry). A warm start deserializes and loads it.
 
-Files live in `<jax compilation cache dir>/jaxinfer-exec/`, so `--compilation-cache-dir` moves them and
+Files live in `<jax compilation cache dir>/jaxinfer-exec/<version>/`, so `--compilation-cache-dir` moves them and
 `--no-compilation-cache` turns them off; `JAXINFER_EXEC_CACHE=0` turns off only this layer. Writes are atomic
 (temporary file + rename). An unreadable, corrupt or mismatched entry logs one warning and compiles normally.
+`<version>` names the jax/jaxlib versions and this package's source: no entry of another version can ever load,
+so a process that stores entries deletes the folders of all versions but the most recently written other one
+(an upgrade, or a checkout's every edit, would otherwise leave ~100 MB of dead entries each time).
 
 Only executables compiled in this process are stored. One that jax read back from its own persistent cache (the
 exec entry is missing but jax's is not: after an upgrade changed the source hash, say) serializes incompletely on
@@ -24,6 +27,7 @@ import hashlib
 import logging
 import os
 import pickle
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -39,6 +43,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = 2  # bump when the file layout below changes (2: format 1 entries may hold incomplete executables)
 SUBDIR = "jaxinfer-exec"
+VERSION_CHARS = 16
+KEEP_OTHER_VERSIONS = 1  # besides this version's folder: a downgrade or a switched checkout still starts warm
 _PACKAGES = ("jaxinfer", "kernels_pallas")  # whose source is part of every key
 
 # What deserialisation raises on a corrupt, truncated or foreign file (pickle and the runtime's loader).
@@ -83,6 +89,12 @@ def source_hash() -> str:
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()
+
+
+def version() -> str:
+    """The folder of this jax and this source: entries of any other version never load (their keys differ)."""
+    parts = (FORMAT, jax.__version__, jaxlib.__version__, source_hash())
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:VERSION_CHARS]
 
 
 def _environment() -> tuple:
@@ -135,6 +147,7 @@ class ExecutableCache:
         self.compiled = 0
         self.not_stored = 0  # compiled steps jax read from its persistent cache: not serializable whole
         self._lock = threading.Lock()
+        self._pruned = False
 
     @classmethod
     def from_jax_config(cls) -> ExecutableCache | None:
@@ -143,7 +156,7 @@ class ExecutableCache:
         base = jax.config.jax_compilation_cache_dir
         if not base or os.environ.get("JAXINFER_EXEC_CACHE", "1") == "0" or jax.process_count() > 1:
             return None
-        return cls(Path(base) / SUBDIR)
+        return cls(Path(base) / SUBDIR / version())
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.exec"
@@ -195,3 +208,42 @@ class ExecutableCache:
         except (OSError, pickle.PicklingError, TypeError, jax.errors.JaxRuntimeError) as e:
             # Not fatal: this start has its program; the next one compiles again.
             log.warning("executable cache: cannot store %s (%s: %s)", path.name, type(e).__name__, e)
+            return
+        with self._lock:
+            prune, self._pruned = not self._pruned, True
+        if prune:
+            try:
+                prune_other_versions(self.directory)
+            except OSError as e:  # not fatal either: the dead entries stay
+                log.warning("executable cache: cannot delete other versions' entries (%s: %s)", type(e).__name__, e)
+
+
+def prune_other_versions(directory: Path, keep: int = KEEP_OTHER_VERSIONS) -> list[Path]:
+    """Where `directory` is a version folder under `jaxinfer-exec/`: deletes its sibling version folders but the
+    `keep` most recently modified, and the `.exec` files of the flat layout before versions; nothing else. Returns
+    what it deleted. A process of another version still running then misses its entries and compiles (its loads
+    and stores handle a vanished file)."""
+    if directory.parent.name != SUBDIR or not _is_version(directory.name):
+        return []  # a cache made on a folder of the caller's: never delete what it did not write
+    siblings = [p for p in directory.parent.iterdir() if p != directory]
+    folders = sorted((p for p in siblings if p.is_dir() and _is_version(p.name)), key=_mtime, reverse=True)
+    doomed = folders[keep:] + [p for p in siblings if p.is_file() and p.suffix == ".exec"]
+    for p in doomed:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if doomed:
+        log.info("executable cache: deleted the entries of %d other version(s) in %s", len(doomed), directory.parent)
+    return doomed
+
+
+def _is_version(name: str) -> bool:
+    return len(name) == VERSION_CHARS and all(c in "0123456789abcdef" for c in name)
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:  # deleted meanwhile by another process's pruning
+        return 0.0

@@ -30,6 +30,11 @@ def _child(cache_dir: Path, norm_eps: float = 1e-6) -> tuple[dict, str]:
     return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
 
 
+def _entries(cache_dir: Path) -> Path:
+    """Where a process of this jax and this source keeps its entries under `cache_dir`."""
+    return cache_dir / exec_cache.SUBDIR / exec_cache.version()
+
+
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory):
     """One cold start on an empty cache dir: it compiles every step and stores each."""
@@ -41,7 +46,7 @@ def cold(tmp_path_factory):
 def test_fresh_process_loads_steps_without_compiling(cold):
     cache_dir, first = cold
     assert first["loaded"] == 0 and first["compiled"] == first["step_compiles"] > 0
-    assert len(list((cache_dir / exec_cache.SUBDIR).glob("*.exec"))) == first["compiled"]
+    assert len(list(_entries(cache_dir).glob("*.exec"))) == first["compiled"]
     warm, _ = _child(cache_dir)
     assert warm["step_compiles"] == 0  # no backend compile (nor persistent-cache read) for any step
     assert warm["loaded"] == first["compiled"] and warm["compiled"] == 0
@@ -50,12 +55,12 @@ def test_fresh_process_loads_steps_without_compiling(cold):
 
 def test_corrupt_entry_falls_back_with_a_warning(cold, tmp_path):
     cache_dir, first = cold
-    entries = sorted((cache_dir / exec_cache.SUBDIR).glob("*.exec"))
+    entries = sorted(_entries(cache_dir).glob("*.exec"))
     broken = tmp_path / "xla"
-    (broken / exec_cache.SUBDIR).mkdir(parents=True)
+    _entries(broken).mkdir(parents=True)
     for i, f in enumerate(entries):  # a copy: the warm test above must see intact files
         data = f.read_bytes()
-        (broken / exec_cache.SUBDIR / f.name).write_bytes(data[: len(data) // 2] if i == 0 else data)
+        (_entries(broken) / f.name).write_bytes(data[: len(data) // 2] if i == 0 else data)
     out, err = _child(broken)
     assert "executable cache: cannot load" in err
     assert out["compiled"] == 1 and out["loaded"] == len(entries) - 1
@@ -131,9 +136,46 @@ def test_steps_read_from_jax_cache_are_not_stored(cold, tmp_path):
     try:
         second, _ = _child(cache_dir)
         assert second["loaded"] == 0 and second["not_stored"] == second["compiled"] == first["compiled"], second
-        assert not list(entries.glob("*.exec"))
+        assert not list(entries.rglob("*.exec"))
         third, _ = _child(cache_dir)
         assert third["tokens"] == second["tokens"] == first["tokens"]
     finally:
         shutil.rmtree(entries, ignore_errors=True)
         aside.rename(entries)
+
+
+def test_storing_deletes_all_other_versions_but_the_latest(tmp_path):
+    """Entries of another jax or another source never load: the first store of a process deletes their folders
+    (and the files of the flat layout before versions), keeping the most recently written other version."""
+    root = tmp_path / exec_cache.SUBDIR
+    newest, older, oldest = ("0123456789abcde" + c for c in "abc")  # names as version() makes them
+    for age, name in enumerate([newest, older, oldest, "not-a-version"]):
+        (root / name).mkdir(parents=True)
+        (root / name / "k.exec").write_bytes(b"x")
+        os.utime(root / name, (1e9 - age, 1e9 - age))
+    (root / "flat.exec").write_bytes(b"x")
+    (root / "notes.txt").write_bytes(b"x")
+    cache = ExecutableCache(root / exec_cache.version())
+    x = jnp.arange(float(np.random.default_rng().integers(10, 10**6)))  # a new length: jax's cache cannot serve it
+    cache.load_or_compile(_double, {"x": x}, {})
+    kept = sorted([exec_cache.version(), newest, "not-a-version", "notes.txt"])  # never what it did not write
+    assert sorted(p.name for p in root.iterdir()) == kept
+    assert len(list((root / exec_cache.version()).glob("*.exec"))) == 1
+
+
+def test_a_cache_on_a_folder_of_the_callers_deletes_nothing_beside_it(tmp_path):
+    (tmp_path / "0123456789abcdef").mkdir()
+    (tmp_path / "other.exec").write_bytes(b"x")
+    cache = ExecutableCache(tmp_path / "mine")
+    x = jnp.arange(float(np.random.default_rng().integers(10, 10**6)))
+    cache.load_or_compile(_double, {"x": x}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0123456789abcdef", "mine", "other.exec"]
+
+
+def test_the_version_folder_changes_with_jax_and_the_source(monkeypatch):
+    base = exec_cache.version()
+    monkeypatch.setattr(jax, "__version__", "0.0.0")
+    assert exec_cache.version() != base
+    monkeypatch.undo()
+    monkeypatch.setattr(exec_cache, "source_hash", lambda: "edited")
+    assert exec_cache.version() != base
