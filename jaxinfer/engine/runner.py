@@ -391,9 +391,11 @@ class ModelRunner:
     def num_kv_tokens(self) -> int:
         return self.num_pages * self.cc.block_size
 
-    def bucket_for(self, num_seqs: int, num_tokens: int) -> tuple[bool, int, int]:
-        """(decode_only, T, S) of the compiled step that serves this batch."""
-        if num_tokens == num_seqs:
+    def bucket_for(self, num_seqs: int, num_tokens: int, prompt_logprobs: bool = False) -> tuple[bool, int, int]:
+        """(decode_only, T, S) of the compiled step that serves this batch. A step that scores prompt tokens is a
+        mixed one even when every row brings one token (a prompt's last chunk of one): the variants that score
+        prompt tokens exist for the mixed buckets only, 12 programs fewer to compile at start-up."""
+        if num_tokens == num_seqs and not prompt_logprobs:
             s = pick_bucket(num_seqs, self.seq_buckets)
             return True, s, s
         return False, pick_bucket(num_tokens, self.token_buckets), self.cc.max_num_seqs
@@ -404,7 +406,7 @@ class ModelRunner:
         """Starts one step over SeqChunks with one RowSampling each; returns without waiting for the device
         (a pending handle for `collect`). `host_start`: when the caller began preparing the step (timeline)."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
-        decode_only, t, s = self.bucket_for(len(chunks), num_tokens)
+        decode_only, t, s = self.bucket_for(len(chunks), num_tokens, prompt_logprobs)
         inp = self.packer.pack(chunks, t, s)
         advanced = needs_advanced(rows)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
@@ -497,6 +499,7 @@ class ModelRunner:
             for adv in ((False, True) if advanced else (False,))
             for plp in ((False, True) if prompt_logprobs else (False,))
             for shape in shapes
+            if not (plp and shape[0])  # prompt tokens are scored in mixed steps only (bucket_for)
         ]
 
         if self.caches_executables and self.followers is None:

@@ -236,12 +236,17 @@ def test_async_engine_streams_and_aborts(tiny):
     ae.shutdown()
 
 
-def test_prompt_logprobs_match_the_model(smol):
+# 150: three chunks of the 64-token budget; 129: the last chunk is one token, a step of one token a row, which a
+# step scoring prompt tokens runs as a mixed step (the only kind with a prompt-logprobs variant).
+@pytest.mark.parametrize("length", [150, 129])
+def test_prompt_logprobs_match_the_model(smol, length):
     """Prompt logprobs (chunked over several steps) equal log-softmax of the contiguous path's logits."""
     from jaxinfer.generate import run_step
     from jaxinfer.model.attention import init_contiguous_cache
 
-    prompt = smol.tokenizer.encode(" ".join(TEXTS))[:150]  # longer than the 128-token budget: two chunks
+    assert smol.engine.runner.bucket_for(1, 1, prompt_logprobs=True)[0] is False
+    prompt = smol.tokenizer.encode(" ".join(TEXTS * 3))[:length]
+    assert len(prompt) == length
     out = smol.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2),
                         use_tqdm=False)[0]  # fmt: skip
     plp = out.prompt_logprobs
