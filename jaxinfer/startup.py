@@ -18,11 +18,13 @@ from tqdm.auto import tqdm
 class WarmupReport:
     seconds: float
     buckets: int  # compiled step programs (shape buckets x sampling variants), over every replica
+    deferred: int = 0  # programs left to compile while the engine is idle (warm_up's `defer`)
 
 
-def warm_up(engine: Any, show: bool | None = None, prompt_logprobs: bool = False) -> WarmupReport:
+def warm_up(engine: Any, show: bool | None = None, prompt_logprobs: bool = False, defer: bool = False) -> WarmupReport:
     """Compiles every step bucket of every replica with a progress bar counting buckets (with `prompt_logprobs`
-    also the variants that score prompt tokens). `show`: None = when stderr is a terminal."""
+    also the variants that score prompt tokens). `show`: None = when stderr is a terminal. `defer`: the rarer
+    variants the executable cache lacks are left for `compile_deferred` (see `ModelRunner.warmup`)."""
     replicas = getattr(engine, "replicas", [engine])
     t0 = time.perf_counter()
     compiled = 0
@@ -35,8 +37,23 @@ def warm_up(engine: Any, show: bool | None = None, prompt_logprobs: bool = False
             bar.update(1)
 
         for r in replicas:
-            r.runner.warmup(prompt_logprobs=prompt_logprobs, progress=tick)
-    return WarmupReport(time.perf_counter() - t0, compiled)
+            r.runner.warmup(prompt_logprobs=prompt_logprobs, progress=tick, defer=defer)
+    return WarmupReport(time.perf_counter() - t0, compiled, pending_compiles(engine))
+
+
+def pending_compiles(engine: Any) -> int:
+    """Step programs `warm_up(defer=True)` left, over every replica."""
+    return sum(len(getattr(r.runner, "deferred", ())) for r in getattr(engine, "replicas", [engine]))
+
+
+def compile_deferred(engine: Any) -> int:
+    """Compiles one program `warm_up(defer=True)` left (the first replica's that has any); returns how many are
+    left over every replica. The engine core calls it while idle."""
+    for r in getattr(engine, "replicas", [engine]):
+        if r.runner.deferred:
+            r.runner.compile_deferred()
+            break
+    return pending_compiles(engine)
 
 
 def attention_kernels(runner: Any) -> str:
@@ -84,7 +101,8 @@ def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s:
         (
             "buckets",
             f"{warm.buckets} compiled in {warm.seconds:.1f}s (decode batch {runner.seq_buckets}, "
-            f"mixed tokens {runner.token_buckets})",
+            f"mixed tokens {runner.token_buckets})"
+            + (f"; {warm.deferred} rarer variants compile while idle" if warm.deferred else ""),
         ),  # fmt: skip
         ("load", f"{load_s:.1f}s (weights, KV pool)"),
     ]

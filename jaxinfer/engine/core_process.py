@@ -47,6 +47,7 @@ import msgpack
 import zmq
 
 from jaxinfer.engine.outbox import RESULTS_HWM, ResultsOutbox
+from jaxinfer.startup import compile_deferred, pending_compiles
 from jaxinfer.types import SamplingParams, SeqTiming, SeqUpdate
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ def engine_stats(engine: Any) -> dict:
         "generated_tokens": engine.num_generated_tokens,
         "steps": engine.num_steps,
         "compiles": compile_count(),
+        "pending_compiles": pending_compiles(engine),
         "cache": engine.cache_stats(),  # sessions and host tier (Engine.cache_stats)
         **timeline_stats(engine),
     }
@@ -227,8 +229,9 @@ def _build(args: dict) -> tuple[Any, Any]:
     t0 = time.perf_counter()
     engine, tokenizer = build_engine(EngineArgs.from_mapping(args))
     load_s = time.perf_counter() - t0
-    # Compile now every program variant a request can select: prompt logprobs (echo + logprobs) included.
-    warm = warm_up(engine, prompt_logprobs=True)
+    # Every program variant a request can select, prompt logprobs (echo + logprobs) included: the plain ones now,
+    # and on a cold start the rarer ones while the core is idle (EngineCore.run), so the server is ready sooner.
+    warm = warm_up(engine, prompt_logprobs=True, defer=True)
     log.info("compiled steps warmed up in %.1fs", warm.seconds)
     # Time to ready counts from the API server's start (our parent), as the user sees it.
     log.info("%s", summary(engine, args["model"], load_s, warm, seconds_since_start(os.getppid())))
@@ -249,6 +252,10 @@ class EngineCore:
         while self.running:
             self.outbox.flush()
             if not engine.has_unfinished():  # idle: wait for a command (retrying the outbox meanwhile)
+                if pending_compiles(engine) and not self.commands.poll(0):
+                    compile_deferred(engine)  # a second or so: commands wait that long at most
+                    self.outbox.outputs([], engine_stats(engine))  # /metrics sees the count go down
+                    continue
                 if not self.commands.poll(IDLE_RETRY_MS if self.outbox.pending else 1000):
                     engine.expire_sessions()  # idle: pinned conversations still time out
                     continue

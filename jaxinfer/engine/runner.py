@@ -29,7 +29,7 @@ import kernels_pallas
 from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
 from jaxinfer.engine.config import CacheConfig
-from jaxinfer.engine.exec_cache import ExecutableCache
+from jaxinfer.engine.exec_cache import ExecutableCache, entry_key
 from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
@@ -335,6 +335,8 @@ class ModelRunner:
         # Serialized compiled steps (None: off): a warm start skips tracing and lowering. See exec_cache.
         self.exec_cache = ExecutableCache.from_jax_config()
         self._compiled: dict[tuple, Callable] = {}
+        # Step variants `warmup(defer=True)` left for `compile_deferred` (its combos, in compile order).
+        self.deferred: list[tuple] = []
         self.copier: PageCopier | None = None  # page copies to and from host memory (enable_page_copies)
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB in all); up to %d sequences of %d tokens. "
@@ -462,9 +464,24 @@ class ModelRunner:
         key = (layout, decode_only, advanced, prompt_lp)
         fn = self._compiled.get(key)
         if fn is None:
-            extra = (self.cc, self.num_pages)  # the pool's shape is in `kv`; the config names the rest
-            fn = self._compiled[key] = self.exec_cache.load_or_compile(paged_step, dynamic, static, extra)
+            fn = self._compiled[key] = self.exec_cache.load_or_compile(paged_step, dynamic, static, self._cache_extra)
         return fn
+
+    @property
+    def _cache_extra(self) -> tuple:
+        return (self.cc, self.num_pages)  # the pool's shape is in `kv`; the config names the rest
+
+    def _combo_args(self, combo: tuple) -> tuple:
+        """`_executable`'s arguments for a warm-up combo (advanced, prompt_lp, decode_only, T, S)."""
+        adv, plp, decode_only, t, s = combo
+        flat, layout = to_flat(self.padding_inputs(adv, t, s))
+        return self._dynamic(flat), layout, decode_only, adv, plp
+
+    def _stored(self, combo: tuple) -> bool:
+        """Whether the executable cache holds this combo's program (a warm start loads it in milliseconds)."""
+        dynamic, layout, decode_only, adv, plp = self._combo_args(combo)
+        static = self.step_static(layout, decode_only, adv, plp)
+        return self.exec_cache.path(entry_key(dynamic, static, self._cache_extra)).exists()
 
     def step_static(self, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool) -> dict:
         """`paged_step`'s static arguments for this runner and these shapes and flags."""
@@ -484,12 +501,22 @@ class ModelRunner:
         return self.exec_cache is not None and self.cfg.arch != CUSTOM_ARCH
 
     def warmup(
-        self, advanced: bool = True, prompt_logprobs: bool = False, progress: Callable[[int, int], None] | None = None
+        self,
+        advanced: bool = True,
+        prompt_logprobs: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+        defer: bool = False,
     ) -> float:
         """Compiles every bucket (and the penalties/bias variant, and with `prompt_logprobs` the variant that
         scores every prompt token): through the executable cache, loaded or compiled and stored without running;
         where that cache is off, by running all-padding steps, which write nothing. Returns the seconds taken.
-        `progress(done, total)` is called after each bucket compiles."""
+        `progress(done, total)` is called after each bucket compiles.
+
+        `defer` (the server's engine core): the variants a plain request never selects (advanced sampling, prompt
+        logprobs) that the executable cache does not hold yet are not compiled now but left in `deferred`, for
+        `compile_deferred` to compile one at a time while the engine is idle. A cold start is then ready once the
+        plain buckets compile (11 of the default server's 32 programs); a warm start loads all of them as before.
+        A step that needs a deferred program before then compiles it when it runs, as a lazy engine does."""
         t0 = time.perf_counter()
         shapes = [(True, s, s) for s in self.seq_buckets] + [
             (False, t, self.cc.max_num_seqs) for t in self.token_buckets
@@ -503,13 +530,16 @@ class ModelRunner:
         ]
 
         if self.caches_executables and self.followers is None:
+            if defer:
+                now = [c for c in combos if not (c[0] or c[1]) or self._stored(c)]
+                self.deferred = [c for c in combos if c not in now]
+                combos = now
+
             # Loading (or compiling) is all a bucket needs: running an all-padding step of the mixed buckets costs
             # as much as a real one (most of a warm start's warm-up on CPU). Deserializing and compiling release the
             # GIL, so the buckets load in parallel.
             def prepare(combo: tuple) -> None:
-                adv, plp, decode_only, t, s = combo
-                flat, layout = to_flat(self.padding_inputs(adv, t, s))
-                self._executable(self._dynamic(flat), layout, decode_only, adv, plp)
+                self._executable(*self._combo_args(combo))
 
             with ThreadPoolExecutor(max_workers=max(1, min(len(combos), os.cpu_count() or 1))) as pool:
                 for done, _ in enumerate(pool.map(prepare, combos), 1):
@@ -528,4 +558,17 @@ class ModelRunner:
             ec = self.exec_cache
             log.info("executable cache %s: %d steps loaded, %d compiled (%d of them read from jax's cache, not stored)",
                      ec.directory, ec.loaded, ec.compiled, ec.not_stored)  # fmt: skip
+        if self.deferred:
+            log.info("%d rarer step variants (advanced sampling, prompt logprobs) compile while the engine is idle",
+                     len(self.deferred))  # fmt: skip
         return time.perf_counter() - t0
+
+    def compile_deferred(self) -> int:
+        """Compiles (and stores) the next program `warmup(defer=True)` left, unless a step compiled it already;
+        returns how many are left."""
+        if self.deferred:
+            self._executable(*self._combo_args(self.deferred.pop(0)))
+            if not self.deferred:
+                release_freed_memory()  # the compilers' temporaries, as after warm-up
+                log.info("every step variant is compiled")
+        return len(self.deferred)

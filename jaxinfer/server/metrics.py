@@ -46,10 +46,10 @@ class _EngineCollector(Collector):
         hit_rate = 0.0
         timeline: dict = {}
         cache: dict = {}
-        compiles = 0
+        compiles = pending = 0
         if s.engine is not None and hasattr(s.engine, "stats"):  # MPAsyncEngine: what the core last reported
             st = s.engine.stats()
-            compiles, cache = st.compiles, st.cache
+            compiles, pending, cache = st.compiles, st.pending_compiles, st.cache
             running, waiting, used, total, hit_rate = st.running, st.waiting, st.pages_used, st.pages_total, st.hit_rate
             if st.idle_share is not None:
                 timeline = {"idle_share": st.idle_share, "device_ms": st.device_ms, "host_ms": st.host_ms}
@@ -78,8 +78,10 @@ class _EngineCollector(Collector):
                     min(1.0, max(0.0, used / total)) if total else 0.0)  # fmt: skip
         yield gauge("kv_cache_used_pages", "KV cache pages in use", used)
         yield gauge("kv_cache_total_pages", "KV cache pages in the pool", total)
-        yield gauge("engine_compilations", "XLA compilations in the engine's process so far (serving adds none)",
-                    compiles)  # fmt: skip
+        yield gauge("engine_compilations", "XLA compilations in the engine's process so far (once the pending ones are "
+                    "done, serving adds none)", compiles)  # fmt: skip
+        yield gauge("engine_pending_compilations", "Step programs a cold start left to compile while the engine is "
+                    "idle", pending)  # fmt: skip
         yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
                     hit_rate)  # fmt: skip
         for key, name, doc in _CACHE_GAUGES:

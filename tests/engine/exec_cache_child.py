@@ -9,7 +9,7 @@ import sys
 from jaxinfer.engine.runner import compile_count, enable_compilation_cache
 
 
-def main(cache_dir: str, norm_eps: float) -> None:
+def main(cache_dir: str, norm_eps: float, defer: bool) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     enable_compilation_cache(cache_dir)
     from jaxinfer.config import ModelConfig
@@ -23,19 +23,34 @@ def main(cache_dir: str, norm_eps: float) -> None:
     cache = CacheConfig(block_size=4, num_pages=40, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
     eng = Engine(cfg, init_params(cfg, seed=0, std=0.5), cache, eos_token_ids=(), seed=0)
     before = compile_count()  # the pool's zero-fill and init_params' ops are compiled (or cache-read) above
-    eng.runner.warmup(advanced=False)
+    ec = eng.runner.exec_cache
+    out = {}
+    if defer:  # as the server's core: every variant, the rarer ones deferred where the cache lacks them
+        eng.runner.warmup(advanced=True, prompt_logprobs=True, defer=True)
+        out.update(deferred=len(eng.runner.deferred), ready_programs=ec.loaded + ec.compiled)
+    else:
+        eng.runner.warmup(advanced=False)
     prompts = [[5, 9, 2, 33], list(range(2, 30)), [7]]
     sps = [SamplingParams(max_tokens=8, temperature=t, seed=3, ignore_eos=True) for t in (0.0, 1.0, 0.0)]
     outs = eng.generate(prompts, sps)
-    ec = eng.runner.exec_cache
+    out["tokens"] = [o[0].output_token_ids for o in outs]
+    if defer:
+        rare = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=1, ignore_eos=True),
+                SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1, ignore_eos=True)]  # fmt: skip
+        rare_tokens = [o[0].output_token_ids for o in eng.generate(prompts[:2], rare)]  # before they compiled
+        while eng.runner.compile_deferred():
+            pass
+        settled = compile_count()
+        again = [o[0].output_token_ids for o in eng.generate(prompts[:2], rare)]
+        out.update(compiles_after_deferred=compile_count() - settled, rare_same=again == rare_tokens)
     print(json.dumps({
         "step_compiles": compile_count() - before,
         "loaded": ec.loaded,
         "compiled": ec.compiled,
         "not_stored": ec.not_stored,
-        "tokens": [o[0].output_token_ids for o in outs],
+        **out,
     }))  # fmt: skip
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3:] == ["defer"])

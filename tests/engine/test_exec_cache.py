@@ -21,10 +21,11 @@ from jaxinfer.engine.exec_cache import ExecutableCache, entry_key
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _child(cache_dir: Path, norm_eps: float = 1e-6) -> tuple[dict, str]:
+def _child(cache_dir: Path, norm_eps: float = 1e-6, defer: bool = False) -> tuple[dict, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     env.pop("JAXINFER_EXEC_CACHE", None)
     cmd = [sys.executable, "-m", "tests.engine.exec_cache_child", str(cache_dir), str(norm_eps)]
+    cmd += ["defer"] if defer else []
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
@@ -68,6 +69,21 @@ def test_corrupt_entry_falls_back_with_a_warning(cold, tmp_path):
     # The fallback rewrote the entry: the next start loads all of them.
     again, _ = _child(broken)
     assert again["loaded"] == len(entries) and again["step_compiles"] == 0
+
+
+def test_a_cold_start_defers_the_rarer_variants_and_a_warm_one_loads_them(cold, tmp_path):
+    """The server core's warm-up (`defer`): cold, only the plain buckets compile before ready and the advanced and
+    prompt-logprobs variants wait; a request needing one before it compiled gets it compiled on the spot; once
+    every deferred one is compiled, nothing compiles again. Warm (the same cache), every variant loads up front."""
+    _, plain = cold
+    first, _ = _child(tmp_path, defer=True)
+    assert first["ready_programs"] == plain["compiled"] and first["deferred"] > 0, first
+    assert first["tokens"] == plain["tokens"]  # the deferral changes no output
+    assert first["compiles_after_deferred"] == 0 and first["rare_same"], first
+    assert first["compiled"] == first["ready_programs"] + first["deferred"]
+    warm, _ = _child(tmp_path, defer=True)
+    assert warm["deferred"] == 0 and warm["ready_programs"] == warm["loaded"] == first["compiled"], warm
+    assert warm["compiled"] == 0 and warm["tokens"] == plain["tokens"]
 
 
 @jax.jit

@@ -24,9 +24,14 @@ class _CacheConfig:
 @dataclass
 class _Runner:
     num_kv_tokens: int = 4096
+    deferred: list = field(default_factory=list)
 
-    def warmup(self, advanced: bool = True, prompt_logprobs: bool = False, progress=None) -> float:
+    def warmup(self, advanced: bool = True, prompt_logprobs: bool = False, progress=None, defer=False) -> float:
         return 0.0
+
+    def compile_deferred(self) -> int:  # as ModelRunner's: one deferred program "compiled" a call
+        self.deferred.pop(0)
+        return len(self.deferred)
 
 
 @dataclass

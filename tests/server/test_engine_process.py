@@ -318,6 +318,42 @@ def _fake_build(args: dict):
     return _FailingEngine(tokenizer.vocab_size), tokenizer
 
 
+def _deferring_build(args: dict):
+    """A fake engine whose warm-up left programs to compile while idle, each taking a tenth of a second."""
+    engine, tokenizer = _fake_build(args)
+    compiled = type(engine.runner).compile_deferred
+
+    def compile_deferred() -> int:
+        time.sleep(0.1)
+        return compiled(engine.runner)
+
+    engine.runner.deferred = list(range(20))
+    engine.runner.compile_deferred = compile_deferred
+    return engine, tokenizer
+
+
+def test_the_core_compiles_deferred_programs_while_idle_and_serves_meanwhile():
+    """What a cold start left (ModelRunner.warmup(defer=True)) the core compiles between steps while idle, one at
+    a time: a request meanwhile is served, and the count it reports for /metrics goes down to zero."""
+    from jaxinfer import SamplingParams
+    from jaxinfer.engine.mp_engine import MPAsyncEngine
+    from jaxinfer.server.args import ServerArgs
+
+    engine = MPAsyncEngine(ServerArgs(model="fake"), build=_deferring_build)
+    try:
+        engine.wait_ready(60)
+        outs = asyncio.run(_drain(engine.generate([5, 6], SamplingParams(max_tokens=3), "meanwhile")))
+        assert outs[-1].finished
+        pending = [engine.stats().pending_compiles]
+        deadline = time.monotonic() + 30
+        while pending[-1] and time.monotonic() < deadline:
+            time.sleep(0.02)
+            pending.append(engine.stats().pending_compiles)
+        assert pending[-1] == 0 and len(set(pending)) > 2, pending  # reported as it went down
+    finally:
+        engine.shutdown()
+
+
 def test_engine_exception_fails_every_stream():
     """MPAsyncEngine without HTTP, on a fake core: outputs assembled here, an early close aborts in the core, and an
     exception in the core's step fails the waiting streams, calls on_death and ends the core with exit code 1."""
