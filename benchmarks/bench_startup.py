@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.bench_attention import format_table
+from benchmarks.bench_serving import pending_compilations
 from benchmarks.common import host_metadata
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def start_once(serve_args: list[str], env: dict[str, str], log: Path, timeout: f
             else:
                 raise TimeoutError(f"not ready after {timeout}s")
             ready = time.monotonic() - t0
-            while time.monotonic() - t0 < timeout and _pending_compiles(port):
+            while time.monotonic() - t0 < timeout and pending_compilations(f"http://127.0.0.1:{port}"):
                 time.sleep(0.2)
             all_compiled = time.monotonic() - t0
         finally:
@@ -84,12 +85,6 @@ def start_once(serve_args: list[str], env: dict[str, str], log: Path, timeout: f
         "deferred": int(deferred.group(1)) if deferred else 0,
         "kv": (re.search(r"KV cache\s+(.*)", text) or [None, None])[1],
     }
-
-
-def _pending_compiles(port: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    m = re.search(r"^jaxinfer:engine_pending_compilations (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
