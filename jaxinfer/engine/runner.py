@@ -29,7 +29,7 @@ import kernels_pallas
 from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
 from jaxinfer.engine.config import CacheConfig
-from jaxinfer.engine.exec_cache import ExecutableCache, entry_key
+from jaxinfer.engine.exec_cache import ExecutableCache
 from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
@@ -480,8 +480,7 @@ class ModelRunner:
     def _stored(self, combo: tuple) -> bool:
         """Whether the executable cache holds this combo's program (a warm start loads it in milliseconds)."""
         dynamic, layout, decode_only, adv, plp = self._combo_args(combo)
-        static = self.step_static(layout, decode_only, adv, plp)
-        return self.exec_cache.path(entry_key(dynamic, static, self._cache_extra)).exists()
+        return self.exec_cache.holds(dynamic, self.step_static(layout, decode_only, adv, plp), self._cache_extra)
 
     def step_static(self, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool) -> dict:
         """`paged_step`'s static arguments for this runner and these shapes and flags."""
