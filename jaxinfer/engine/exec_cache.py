@@ -15,9 +15,12 @@ Files live in `<jax compilation cache dir>/jaxinfer-exec/<version>/`, so `--comp
 so a process that stores entries deletes the folders of all versions but the most recently written other one
 (an upgrade, or a checkout's every edit, would otherwise leave ~100 MB of dead entries each time).
 
-Only executables compiled in this process are stored. One that jax read back from its own persistent cache (the
+Only executables XLA compiled in this process are stored. One that jax read back from its own persistent cache (the
 exec entry is missing but jax's is not: after an upgrade changed the source hash, say) serializes incompletely on
-XLA:CPU: the copy loads, then fails at its first run with "Function ... not found". Such a step is used, not stored.
+XLA:CPU: the copy loads, then fails at its first run with "Function ... not found". So does the same executable when
+jax's in-memory cache hands it out again for an identical program later in the process (a second engine with the
+same settings, a second data-parallel replica), and that reports no event at all. So a step is stored only when
+jax reported a persistent-cache miss for its compile, on the compiling thread; any other step is used, not stored.
 """
 
 from __future__ import annotations
@@ -61,20 +64,22 @@ LOAD_ERRORS = (
 )
 
 
-# Persistent-cache hits on each thread, counted from jax's monitoring events (compiles report on their own thread).
-_hits = threading.local()
+# Persistent-cache misses on each thread (an XLA compile whose executable serializes whole), counted from jax's
+# monitoring events: compiles report on their own thread.
+_MISS = "/jax/compilation_cache/cache_misses"
+_misses = threading.local()
 
 
 def _on_event(event: str, **kwargs) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _hits.count = getattr(_hits, "count", 0) + 1
+    if event == _MISS:
+        _misses.count = getattr(_misses, "count", 0) + 1
 
 
 monitoring.register_event_listener(_on_event)
 
 
-def _persistent_hits() -> int:
-    return getattr(_hits, "count", 0)
+def _persistent_misses() -> int:
+    return getattr(_misses, "count", 0)
 
 
 @functools.cache
@@ -145,7 +150,7 @@ class ExecutableCache:
         self.directory = Path(directory)
         self.loaded = 0
         self.compiled = 0
-        self.not_stored = 0  # compiled steps jax read from its persistent cache: not serializable whole
+        self.not_stored = 0  # compiled steps jax took from one of its caches: not serializable whole
         self._lock = threading.Lock()
         self._pruned = False
 
@@ -179,16 +184,16 @@ class ExecutableCache:
                 return fn
             except LOAD_ERRORS as e:
                 log.warning("executable cache: cannot load %s (%s: %s); compiling", path.name, type(e).__name__, e)
-        hits = _persistent_hits()
+        misses = _persistent_misses()
         fn = jitted.lower(**dynamic, **static).compile()
-        stored = _persistent_hits() == hits
+        stored = _persistent_misses() > misses  # XLA compiled it just now (see the module's docstring)
         with self._lock:  # warm-up loads and compiles buckets on several threads
             self.compiled += 1
             self.not_stored += not stored
         if stored:
             self._store(path, key, fn)
         else:
-            log.debug("executable cache: %s came from jax's persistent cache; not stored", path.name)
+            log.debug("executable cache: %s came from one of jax's caches; not stored", path.name)
         return fn
 
     @staticmethod

@@ -160,6 +160,25 @@ def test_steps_read_from_jax_cache_are_not_stored(cold, tmp_path):
         aside.rename(entries)
 
 
+def test_a_program_jax_hands_out_again_in_process_is_not_stored(tmp_path):
+    """jax's in-memory cache hands an identical program's executable out again and reports no event at all. After a
+    persistent-cache read that is the executable that serializes incompletely: a second engine with the same
+    settings stored it, and the next start's first step failed with "Function ... not found". Only a compile that
+    jax reported as a persistent-cache miss is stored."""
+    x = jnp.arange(float(np.random.default_rng().integers(10, 10**6)))  # a new length: jax's caches lack it
+    fresh = ExecutableCache(tmp_path / "fresh")
+    fresh.load_or_compile(_double, {"x": x}, {})  # XLA compiles it
+    assert fresh.not_stored == 0 and len(list(fresh.directory.glob("*.exec"))) == 1
+    jax.clear_caches()
+    read = ExecutableCache(tmp_path / "read")
+    read.load_or_compile(_double, {"x": x}, {})  # from jax's persistent cache
+    again = ExecutableCache(tmp_path / "again")
+    fn = again.load_or_compile(_double, {"x": x}, {})  # from jax's in-memory cache: the executable just read
+    assert read.not_stored == again.not_stored == 1
+    assert not list(read.directory.glob("*.exec")) and not list(again.directory.glob("*.exec"))
+    np.testing.assert_array_equal(fn(x=x), 2 * np.asarray(x))
+
+
 def test_storing_deletes_all_other_versions_but_the_latest(tmp_path):
     """Entries of another jax or another source never load: the first store of a process deletes their folders
     (and the files of the flat layout before versions), keeping the most recently written other version."""
