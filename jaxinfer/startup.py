@@ -43,7 +43,7 @@ def warm_up(engine: Any, show: bool | None = None, prompt_logprobs: bool = False
 
 def pending_compiles(engine: Any) -> int:
     """Step programs `warm_up(defer=True)` left, over every replica."""
-    return sum(len(getattr(r.runner, "deferred", ())) for r in getattr(engine, "replicas", [engine]))
+    return sum(len(r.runner.deferred) for r in getattr(engine, "replicas", [engine]))
 
 
 def compile_deferred(engine: Any) -> int:
