@@ -557,9 +557,6 @@ class ModelRunner:
             ec = self.exec_cache
             log.info("executable cache %s: %d steps loaded, %d compiled (%d of them read from jax's cache, not stored)",
                      ec.directory, ec.loaded, ec.compiled, ec.not_stored)  # fmt: skip
-        if self.deferred:
-            log.info("%d rarer step variants (advanced sampling, prompt logprobs) compile while the engine is idle",
-                     len(self.deferred))  # fmt: skip
         return time.perf_counter() - t0
 
     def compile_deferred(self) -> int:
