@@ -30,21 +30,47 @@ import jax.numpy as jnp
 from kernels_pallas import numba_ffi
 from kernels_pallas.common import UnsupportedCase
 
+# The FFI targets' names start with this; each handler variant (ragged_cpu_numba.variant) has its own target.
 TARGET = "jaxinfer_ragged_paged_attention_f32"
 
 
+def target(head_dim: int) -> str:
+    """The FFI target that runs this head dim: `TARGET_d64` for a specialized one, `TARGET_any` for the others."""
+    from kernels_pallas import ragged_cpu_numba
+
+    variant = ragged_cpu_numba.variant(head_dim)
+    return f"{TARGET}_d{variant}" if variant else f"{TARGET}_any"
+
+
+def unavailable(head_dim: int) -> str | None:
+    """Why the kernel cannot run this head dim in this process (None: it can, and its handler is registered with
+    XLA). The first call imports numba (about half a second); the first for a handler variant builds it (about 13 s
+    on 2 cores, once per machine) or loads it from numba's cache (about a second)."""
+    reason = _numba_missing()
+    if reason is not None:
+        return reason
+    from kernels_pallas import ragged_cpu_numba
+
+    _register(ragged_cpu_numba.variant(head_dim))
+    return None
+
+
 @functools.cache
-def unavailable() -> str | None:
-    """Why the kernel cannot run in this process (None: it can, and is registered with XLA). The first call imports
-    numba and loads the kernel (about a second; compiled once per machine, about 20 s on 2 cores)."""
+def _numba_missing() -> str | None:
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed"
     try:
-        from kernels_pallas import ragged_cpu_numba
+        from kernels_pallas import ragged_cpu_numba  # noqa: F401
     except (ImportError, ValueError) as e:  # ValueError: numba found no thread-safe threading layer
         return f"the numba kernel did not load ({type(e).__name__}: {e})"
-    numba_ffi.register(TARGET, ragged_cpu_numba.handler)
     return None
+
+
+@functools.cache
+def _register(variant: int) -> None:
+    from kernels_pallas import ragged_cpu_numba
+
+    numba_ffi.register(target(variant), ragged_cpu_numba.handler(variant))
 
 
 def check_supported(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array | None = None) -> None:
@@ -55,7 +81,7 @@ def check_supported(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
             raise UnsupportedCase(f"{name} is {a.dtype}: float32 only")
     if q.shape[1] % k_pages.shape[2]:
         raise UnsupportedCase(f"{q.shape[1]} query heads are not a multiple of {k_pages.shape[2]} KV heads")
-    reason = unavailable()
+    reason = unavailable(q.shape[-1])
     if reason is not None:
         raise UnsupportedCase(reason)
 
@@ -73,14 +99,15 @@ def ragged_paged_attention(
     sliding_window: int = 0,
     soft_cap: float | None = None,
 ) -> jax.Array:  # f32[T, Hq, D], zeros for padding tokens
-    reason = unavailable()
+    reason = unavailable(q.shape[-1])
     if reason is not None:
         raise UnsupportedCase(reason)
     # Static settings as an operand (the handlers read buffers only); the thread count is numba's at trace time.
     settings = jnp.asarray([scale, sliding_window, soft_cap or 0.0, numba_ffi.num_threads()], jnp.float32)
     # The result is declared with the heads flattened, f32[T, Hq * D] (the same bytes): a one-row output projection
     # that XLA:CPU fuses reads its input through the buffer's shape, and from f32[1, Hq, D] ran 3x slower.
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((q.shape[0], q.shape[1] * q.shape[2]), jnp.float32))
+    flat = jax.ShapeDtypeStruct((q.shape[0], q.shape[1] * q.shape[2]), jnp.float32)
+    call = jax.ffi.ffi_call(target(q.shape[-1]), flat)
     i32 = jnp.int32
     out = call(q, k_pages, v_pages, page_table.astype(i32), context_lens.astype(i32), query_start_loc.astype(i32),
                jnp.asarray(num_seqs, i32).reshape(1), settings)  # fmt: skip

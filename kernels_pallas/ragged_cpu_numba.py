@@ -1,10 +1,18 @@
 """The numba side of kernels_pallas/ragged_cpu.py: the ragged paged attention kernel and its XLA FFI handler.
 
-Imported on first use only (importing numba and loading the cached machine code takes about a second): compiled
-once per machine into numba's cache (`__pycache__` beside this file, or NUMBA_CACHE_DIR), about 20 s on 2 cores.
+Imported on first use only (importing numba takes about half a second). Each handler (`handler(head_dim)`) is
+compiled on first use, once per machine, into numba's cache (`__pycache__` beside this file, or NUMBA_CACHE_DIR):
+about 13 s on 2 cores, then about a second to load.
+
+The head dim is a compile-time constant for 64, the default model's (`SPECIALIZED`): its loops unroll, and the kernel
+ran 10-15% faster than with the head dim read at run time. Every other size shares one handler that reads it from
+the operands (a constant 128 measured 8% slower on a batch-128 decode and 8% faster at batch 1; 256, no
+difference). Each handler compiles only when a model needs it: building both at once took 19.5 s on a new machine.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 from llvmlite import ir
@@ -198,12 +206,15 @@ def _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, score
                         o[d] += w * val[d]
 
 
+@njit(fastmath=True, inline="always")
+def _dim(head_dim, q):
+    """The head dim the loops run to: head_dim, a compile-time constant in the specialized handlers, or (0) q's."""
+    return head_dim if head_dim > 0 else q.shape[-1]
+
+
 @njit(fastmath=True, nogil=True, cache=True)
-def _prefill_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores):
-    if q.shape[1] == 64:  # the head-dim loops unroll
-        _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, 64)
-    else:
-        _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, q.shape[1])
+def _prefill_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, head_dim):
+    _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, _dim(head_dim, q))
 
 
 @njit(fastmath=True, inline="always")
@@ -304,17 +315,15 @@ def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum):
-    if q.shape[1] == 64:  # SmolLM2 and most small models: the head-dim loops unroll
-        _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, 64)
-    else:
-        _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, q.shape[1])
+def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim):
+    _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, _dim(head_dim, q))
 
 
-@njit(fastmath=True, nogil=True, cache=True, parallel=True)
-def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale, window, cap, threads):
-    """q f32[T, Hq, D] packed query tokens -> out f32[T, Hq, D]; tokens of no sequence get zeros."""
-    num_tokens, num_q_heads, head_dim = q.shape
+@njit(fastmath=True, inline="always")
+def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale, window, cap, threads, head_dim):
+    """q f32[T, Hq, D] packed query tokens -> out f32[T, Hq, D]; tokens of no sequence get zeros. head_dim: D as a
+    compile-time constant, or 0 (D read from q)."""
+    num_tokens, num_q_heads = q.shape[0], q.shape[1]
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
     keys = table.shape[1] * k.shape[1]
@@ -359,44 +368,37 @@ def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale,
     decode_heads = num_kv_heads if workers == 1 or decodes >= 2 * workers else 1
     items = decodes * (num_kv_heads // decode_heads) + (n - decodes) * num_kv_heads
     if workers == 1:
-        _run_items(0, 1, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, order, decodes,
-                   out, scale, window, cap, longest_block * group, longest_context)  # fmt: skip
+        _run_items(np.int64(0), np.int64(1), items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len,
+                   blk_pos, order, np.int64(decodes), out, scale, window, cap, np.int64(longest_block * group),
+                   np.int64(longest_context), head_dim)  # fmt: skip
         return
     workers = min(workers, items)
     # Items dealt round-robin (prange alone hands each thread one contiguous range): decodes and prefill blocks,
     # rows of different lengths, balance over the threads.
     for w in prange(workers):
-        _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, order,
-                   decodes, out, scale, window, cap, longest_block * group, longest_context)  # fmt: skip
+        _run_items(np.int64(w), workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos,
+                   order, np.int64(decodes), out, scale, window, cap, np.int64(longest_block * group),
+                   np.int64(longest_context), head_dim)  # fmt: skip
 
 
-# One explicit signature: left to infer it, numba compiled a specialization for every type the call sites took
-# during _attend's type inference (literal constants, the prange index's uint64): 7 compiles, a cold build 37 s, not 20.
-_F32_3D, _F32_4D = types.float32[:, :, ::1], types.float32[:, :, :, ::1]
-_I64, _I64_1D, _F32 = types.int64, types.int64[::1], types.float32
-_RUN_ITEMS_SIG = types.void(
-    *(_I64, _I64, _I64, _I64),  # w, workers, items, decode_heads
-    *(_F32_3D, _F32_4D, _F32_4D, types.int32[:, ::1]),  # q, k, v, table
-    *(_I64_1D, _I64_1D, _I64_1D, _I64_1D, _I64_1D, _I64),  # blk_seq, blk_start, blk_len, blk_pos, order, decodes
-    *(_F32_3D, _F32, _I64, _F32, _I64, _I64),  # out, scale, window, cap, rows_max, longest_context
-)
-
-
-@njit(_RUN_ITEMS_SIG, fastmath=True, nogil=True, cache=True)
+# Every argument a call site passes is a run-time int64 (np.int64 around constants and the prange index), except
+# head_dim: numba compiles a specialization for each type a call site gives, and constants and prange's uint64 index
+# had made 7 of them (a new machine's build took 37 s, not 20).
+@njit(fastmath=True, nogil=True, cache=True)
 def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, order, decodes,
-               out, scale, window, cap, rows_max, longest_context):  # fmt: skip
+               out, scale, window, cap, rows_max, longest_context, head_dim):  # fmt: skip
     """Items w, w + workers, ... of one call: the decode blocks' items first (order[:decodes], by block, then KV
     head range), then the prefill blocks' (order[decodes:], by block, then KV head). Scratch is sized by the
     call's largest item, not the table's width: a decode step at 300 keys needs a 4 KB scores row, where BLOCK_Q
     rows of max_model_len keys would be an mmap and fresh page faults every call."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_q_heads, hd = q.shape[1], _dim(head_dim, q)  # hd: head_dim's value
     num_kv_heads, page_size = k.shape[2], k.shape[1]
     group = num_q_heads // num_kv_heads
     rows_max = max(rows_max, num_q_heads)
     scores = np.empty((rows_max + _ROWS_PER_PASS, max(longest_context, page_size)), np.float32)
-    acc = np.empty((rows_max + _ROWS_PER_PASS, head_dim), np.float32)
-    qb = np.empty((rows_max, head_dim), np.float32)
-    ob = np.empty((rows_max, head_dim), np.float32)
+    acc = np.empty((rows_max + _ROWS_PER_PASS, hd), np.float32)
+    qb = np.empty((rows_max, hd), np.float32)
+    ob = np.empty((rows_max, hd), np.float32)
     pos = np.empty(rows_max, np.int64)
     run_max = np.empty(rows_max, np.float32)
     run_sum = np.empty(rows_max, np.float32)
@@ -409,12 +411,12 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
             rows = decode_heads * group
             t = blk_start[i]
             for r in range(rows):
-                for d in range(head_dim):
+                for d in range(hd):
                     qb[r, d] = q[t, h0 * group + r, d] * scale
             _decode_item(qb[:rows], group, k, v, table[blk_seq[i]], blk_pos[i], h0, ob[:rows], window, cap, scores,
-                         acc, run_max, run_sum)  # fmt: skip
+                         acc, run_max, run_sum, head_dim)  # fmt: skip
             for r in range(rows):
-                for d in range(head_dim):
+                for d in range(hd):
                     out[t, h0 * group + r, d] = ob[r, d]
             continue
         j = item - decode_items
@@ -423,32 +425,32 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
         rows = length * group
         for ti in range(length):
             for g in range(group):
-                for d in range(head_dim):
+                for d in range(hd):
                     qb[ti * group + g, d] = q[start + ti, h * group + g, d]
                 pos[ti * group + g] = first_pos + ti
-        _prefill_item(qb[:rows], k, v, table[s], pos[:rows], h, ob[:rows], scale, window, cap, scores)
+        _prefill_item(qb[:rows], k, v, table[s], pos[:rows], h, ob[:rows], scale, window, cap, scores, head_dim)
         for ti in range(length):
             for g in range(group):
-                for d in range(head_dim):
+                for d in range(hd):
                     out[start + ti, h * group + g, d] = ob[ti * group + g, d]
 
 
-@cfunc(types.voidptr(types.voidptr), cache=True)
-def handler(frame_ptr):
+@njit(fastmath=True, inline="always")
+def _handle(frame_ptr, head_dim):
     """Operands: q f32[T, Hq, D], k and v f32[P, page, Hkv, D], page_table i32[S, W], context_lens i32[S],
     query_start_loc i32[S + 1], num_seqs i32[1], settings f32[4] (scale, window, soft-cap, threads); result
-    f32[T, Hq, D] (declared f32[T, Hq * D] by the caller: the same bytes)."""
+    f32[T, Hq, D] (declared f32[T, Hq * D] by the caller: the same bytes). head_dim: D as a constant, or 0."""
     frame = carray(frame_ptr, (15,), dtype=np.int64)
     if answer_non_execute(frame):
         return null()
     bq, bk, bv = buffer(frame, 0, False), buffer(frame, 1, False), buffer(frame, 2, False)
     bt, bc, bl = buffer(frame, 3, False), buffer(frame, 4, False), buffer(frame, 5, False)
     bn, bs = buffer(frame, 6, False), buffer(frame, 7, False)
-    num_tokens, num_q_heads, head_dim = dim(bq, 0), dim(bq, 1), dim(bq, 2)
+    num_tokens, num_q_heads, size = dim(bq, 0), dim(bq, 1), dim(bq, 2)
     num_pages, page_size, num_kv_heads = dim(bk, 0), dim(bk, 1), dim(bk, 2)
     max_seqs, width = dim(bt, 0), dim(bt, 1)
-    pool = (num_pages, page_size, num_kv_heads, head_dim)
-    q = carray(data(bq), (num_tokens, num_q_heads, head_dim), dtype=np.float32)
+    pool = (num_pages, page_size, num_kv_heads, size)
+    q = carray(data(bq), (num_tokens, num_q_heads, size), dtype=np.float32)
     k = carray(data(bk), pool, dtype=np.float32)
     v = carray(data(bv), pool, dtype=np.float32)
     table = carray(data(bt), (max_seqs, width), dtype=np.int32)
@@ -456,7 +458,36 @@ def handler(frame_ptr):
     query_start_loc = carray(data(bl), (max_seqs + 1,), dtype=np.int32)
     num_seqs = carray(data(bn), (1,), dtype=np.int32)[0]
     settings = carray(data(bs), (4,), dtype=np.float32)
-    out = carray(data(buffer(frame, 0, True)), (num_tokens, num_q_heads, head_dim), dtype=np.float32)
+    out = carray(data(buffer(frame, 0, True)), (num_tokens, num_q_heads, size), dtype=np.float32)
     _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, settings[0], np.int64(settings[1]),
-            settings[2], np.int64(settings[3]))  # fmt: skip
+            settings[2], np.int64(settings[3]), head_dim)  # fmt: skip
     return null()
+
+
+# The handlers' Python functions, one per compile-time head dim; 0: any other head dim. The constant reaches the loops
+# because _handle and _attend are inlined here: passed as an argument into the parallel loop's body (the prange), it
+# would arrive as a run-time int64. Module-level functions, so that numba caches each handler under its own name.
+def _handle_d64(frame_ptr):
+    return _handle(frame_ptr, 64)
+
+
+def _handle_any(frame_ptr):
+    return _handle(frame_ptr, np.int64(0))
+
+
+_HANDLERS = {64: _handle_d64, 0: _handle_any}
+SPECIALIZED = tuple(d for d in _HANDLERS if d)
+
+
+def variant(head_dim: int) -> int:
+    """The handler a head dim runs on: itself where specialized, else 0 (any)."""
+    return head_dim if head_dim in SPECIALIZED else 0
+
+
+@functools.cache
+def handler(head_dim: int):
+    """The compiled XLA FFI handler (a numba cfunc) for `variant(head_dim)`: built, or loaded from numba's cache,
+    on first use."""
+    return cfunc(types.voidptr(types.voidptr), fastmath=True, nogil=True, parallel=True, cache=True)(
+        _HANDLERS[variant(head_dim)]
+    )

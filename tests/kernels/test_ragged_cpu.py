@@ -129,6 +129,15 @@ def test_ragged_cpu_thread_count_changes_no_bits(monkeypatch, threads):
     np.testing.assert_array_equal(np.asarray(_attend(case, scale=0.125)), base)
 
 
+@pytest.mark.parametrize("head_dim,handler", [(64, "_d64"), (128, "_any"), (32, "_any"), (256, "_any")])
+def test_head_dim_64_has_its_own_handler_and_the_others_share_one(head_dim, handler):
+    """64 (the default model's) runs the handler compiled with it as a constant; every other head dim runs the one
+    that reads it from q. CASES covers both against the oracle."""
+    case = make_decode_case(7, [5, 20], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16)
+    hlo = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125)).lower(*case.args()).as_text()
+    assert f"@{ragged_cpu.TARGET}{handler}(" in hlo
+
+
 def test_ragged_cpu_declines_what_it_does_not_run():
     q = jnp.zeros((2, 4, 64), jnp.bfloat16)
     pages = jnp.zeros((8, 16, 2, 64), jnp.bfloat16)
@@ -158,7 +167,7 @@ def test_dispatcher_runs_the_kernel_for_both_ops_on_cpu(impl):
 
 def test_without_the_kernel_the_dispatcher_warns_once_and_uses_jnp(monkeypatch, caplog):
     """Where numba is missing or finds no thread-safe threading layer, the dispatcher says so once and runs jnp."""
-    monkeypatch.setattr(ragged_cpu, "unavailable", lambda: "numba is not installed")
+    monkeypatch.setattr(ragged_cpu, "unavailable", lambda head_dim: "numba is not installed")
     monkeypatch.setattr(dispatch, "_warned", set())
     case = make_decode_case(6, [3, 40], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     opts = dict(scale=0.125, sliding_window=0, soft_cap=None)
