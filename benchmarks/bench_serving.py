@@ -409,7 +409,9 @@ class LaunchedServer:
     def log_tail(self, n: int = 2000) -> str:
         return self.log_path.read_text(errors="replace")[-n:]
 
-    def wait_ready(self, timeout: float, headers: dict[str, str] | None = None) -> float:
+    def wait_ready(self, timeout: float, headers: dict[str, str] | None = None, poll: float = 0.5) -> float:
+        """Seconds from launch until ready (GET /v1/models 200), polled every `poll` s; returns once the pending
+        compilations are done too."""
         while time.monotonic() - self.t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.label} server exited with {self.proc.returncode}:\n{self.log_tail()}")
@@ -417,11 +419,11 @@ class LaunchedServer:
                 if httpx.get(f"{self.url}/v1/models", headers=headers, timeout=5).status_code == 200:
                     self.ready_s = time.monotonic() - self.t0
                     while time.monotonic() - self.t0 < timeout and pending_compilations(self.url, headers):
-                        time.sleep(0.5)
+                        time.sleep(poll)
                     return self.ready_s
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            time.sleep(poll)
         raise TimeoutError(f"{self.label} server not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 60) -> int | None:

@@ -19,55 +19,28 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-
 from benchmarks.bench_attention import format_table
-from benchmarks.bench_serving import pending_compilations
+from benchmarks.bench_serving import LaunchedServer, free_port
 from benchmarks.common import host_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_once(serve_args: list[str], env: dict[str, str], log: Path, timeout: float) -> dict:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, str(REPO / "serve.py"), "--port", str(port), *serve_args]
-    t0 = time.monotonic()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            while time.monotonic() - t0 < timeout:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"serve.py exited {proc.returncode}: {log.read_text()[-3000:]}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-            else:
-                raise TimeoutError(f"not ready after {timeout}s")
-            ready = time.monotonic() - t0
-            while time.monotonic() - t0 < timeout and pending_compilations(f"http://127.0.0.1:{port}"):
-                time.sleep(0.2)
-            all_compiled = time.monotonic() - t0
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    server = LaunchedServer("serve.py", cmd, port, log, env)
+    try:
+        ready = server.wait_ready(timeout, poll=0.2)
+        all_compiled = time.monotonic() - server.t0
+    finally:
+        server.stop()
     text = log.read_text()
 
     def grab(pattern: str) -> float | None:
