@@ -23,6 +23,7 @@ import ctypes
 import functools
 import os
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -114,18 +115,20 @@ def jit_helpers() -> SimpleNamespace:
                            null=null)  # fmt: skip
 
 
-_registered: set[str] = set()
+_handlers: dict[str, Any] = {}  # target name -> its cfunc: XLA calls its machine code for the process's lifetime
 _register_lock = threading.Lock()
 
 
-def register(name: str, handler: Any) -> None:
-    """Registers a compiled numba `cfunc` (signature `voidptr(voidptr)`) as XLA:CPU FFI target `name`, once."""
+def register(name: str, build: Callable[[], Any]) -> None:
+    """Registers the compiled numba `cfunc` (signature `voidptr(voidptr)`) that `build` returns as XLA:CPU FFI
+    target `name`, once: a concurrent caller waits for the first one's build, and the cfunc is kept here."""
     with _register_lock:
-        if name in _registered:
+        if name in _handlers:
             return
+        handler = build()
         new_capsule = ctypes.pythonapi.PyCapsule_New
         new_capsule.restype = ctypes.py_object
         new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
         capsule = new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None)
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-        _registered.add(name)
+        _handlers[name] = handler

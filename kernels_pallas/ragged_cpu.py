@@ -51,7 +51,8 @@ def unavailable(head_dim: int) -> str | None:
         return reason
     from kernels_pallas import ragged_cpu_numba
 
-    _register(ragged_cpu_numba.variant(head_dim))
+    variant = ragged_cpu_numba.variant(head_dim)
+    numba_ffi.register(target(variant), lambda: ragged_cpu_numba.handler(variant))
     return None
 
 
@@ -64,13 +65,6 @@ def _numba_missing() -> str | None:
     except (ImportError, ValueError) as e:  # ValueError: numba found no thread-safe threading layer
         return f"the numba kernel did not load ({type(e).__name__}: {e})"
     return None
-
-
-@functools.cache
-def _register(variant: int) -> None:
-    from kernels_pallas import ragged_cpu_numba
-
-    numba_ffi.register(target(variant), ragged_cpu_numba.handler(variant))
 
 
 def check_supported(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array | None = None) -> None:

@@ -12,8 +12,6 @@ difference). Each handler compiles only when a model needs it: building both at 
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from llvmlite import ir
 from numba import carray, cfunc, njit, prange, types
@@ -484,10 +482,7 @@ def variant(head_dim: int) -> int:
     return head_dim if head_dim in SPECIALIZED else 0
 
 
-@functools.cache
 def handler(head_dim: int):
-    """The compiled XLA FFI handler (a numba cfunc) for `variant(head_dim)`: built, or loaded from numba's cache,
-    on first use."""
-    return cfunc(types.voidptr(types.voidptr), fastmath=True, nogil=True, parallel=True, cache=True)(
-        _HANDLERS[variant(head_dim)]
-    )
+    """The XLA FFI handler (a numba cfunc) for `variant(head_dim)`, compiled, or loaded from numba's cache. Its
+    caller keeps it (kernels_pallas.numba_ffi.register): XLA calls its machine code."""
+    return cfunc(types.voidptr(types.voidptr), fastmath=True, parallel=True, cache=True)(_HANDLERS[variant(head_dim)])

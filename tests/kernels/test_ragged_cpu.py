@@ -7,6 +7,9 @@ past a row's pages and garbage lengths and offsets past the live sequences."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +139,30 @@ def test_head_dim_64_has_its_own_handler_and_the_others_share_one(head_dim, hand
     case = make_decode_case(7, [5, 20], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16)
     hlo = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125)).lower(*case.args()).as_text()
     assert f"@{ragged_cpu.TARGET}{handler}(" in hlo
+
+
+def test_threads_that_reach_a_target_together_build_and_register_it_once():
+    """The engine traces its steps on a thread pool: threads that ask for a target at once wait for one build, and
+    the registered cfunc (whose machine code XLA calls) is the one kept."""
+    from kernels_pallas import ragged_cpu_numba
+
+    name, builds, start = f"jaxinfer_test_target_{os.getpid()}", [], threading.Barrier(4)
+
+    def build():
+        builds.append(ragged_cpu_numba.handler(64))
+        time.sleep(0.2)  # the other threads arrive during the build
+        return builds[-1]
+
+    def first_use():
+        start.wait()
+        numba_ffi.register(name, build)
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and numba_ffi._handlers[name] is builds[0]
 
 
 def test_ragged_cpu_declines_what_it_does_not_run():
