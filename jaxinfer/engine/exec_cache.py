@@ -3,10 +3,11 @@
 jax's persistent compilation cache only skips the XLA compile: every start still traces and lowers each bucket of
 the unrolled model (most of a warm start's warm-up). Here each compiled step is serialized
 (`jax.experimental.serialize_executable`) into a file named by a hash of everything that changes the program:
-jax/jaxlib versions, backend and devices, compile-affecting flags, the treedef/shapes/dtypes/shardings of every
-dynamic argument (params pytree, KV pools, step buffers: generic over how params are held), the static arguments
-(model config, layout, flags, kernel choice, mesh), the caller's extra key (the cache config) and a hash of this
-package's own source files (a code change invalidates every entry). A warm start deserializes and loads it.
+jax/jaxlib versions, backend and devices, the target (on CPU, the host's instruction set), compile-affecting flags,
+the treedef/shapes/dtypes/shardings of every dynamic argument (params pytree, KV pools, step buffers: generic over
+how params are held), the static arguments (model config, layout, flags, kernel choice, mesh), the caller's extra key
+(the cache config) and a hash of this package's own source files (a code change invalidates every entry). A warm
+start deserializes and loads it.
 
 Files live in `<jax compilation cache dir>/jaxinfer-exec/<version>/`, so `--compilation-cache-dir` moves them and
 `--no-compilation-cache` turns them off; `JAXINFER_EXEC_CACHE=0` turns off only this layer. Writes are atomic
@@ -102,6 +103,20 @@ def version() -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:VERSION_CHARS]
 
 
+def target_fingerprint(devices: list) -> int | None:
+    """What XLA compiles for, as jax's own cache keys carry it (the devices' topology): on CPU it covers the host's
+    instruction set. XLA:CPU compiles for the host's features and loading an executable does not check them, so an
+    entry written on an AVX-512 machine into a shared cache folder (an NFS home, a container image) would stop an
+    AVX2 machine's engine at its first step with an illegal instruction. None where the backend has no topology
+    (jax then keys on the devices, as this key does anyway)."""
+    from jax._src.lib import xla_client  # jax's cache_key.py reads the topology the same way
+
+    try:
+        return xla_client.get_topology_for_devices(devices).fingerprint()
+    except jax.errors.JaxRuntimeError:
+        return None
+
+
 def _environment() -> tuple:
     devices = jax.devices()
     return (
@@ -111,6 +126,7 @@ def _environment() -> tuple:
         jax.default_backend(),
         devices[0].client.platform_version,
         tuple((d.id, d.device_kind, d.process_index) for d in devices),
+        target_fingerprint(devices),
         jax.process_count(),
         jax.config.jax_enable_x64,
         jax.config.jax_default_matmul_precision,

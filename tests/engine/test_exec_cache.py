@@ -123,6 +123,26 @@ def test_versions_and_source_change_the_key(monkeypatch):
     assert _key() != base
 
 
+def test_an_entry_of_another_instruction_set_is_not_loaded(monkeypatch):
+    """XLA:CPU compiles for the host's instruction set and does not check it when it loads: a cache folder shared
+    with a machine of other features (an NFS home, a container image) must not hand its entries over. The key
+    carries the target's fingerprint, which on CPU follows the instruction set XLA compiles for."""
+    base = _key()
+    monkeypatch.setattr(exec_cache, "target_fingerprint", lambda devices: 12345)
+    assert _key() != base
+
+    code = "import jax; from jaxinfer.engine import exec_cache; print(exec_cache.target_fingerprint(jax.devices()))"
+
+    def fingerprint(xla_flags: str) -> str:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return res.stdout.split()[-1]
+
+    host, sse = fingerprint(""), fingerprint("--xla_cpu_max_isa=SSE4_2")  # SSE4.2: as a CPU without AVX would
+    assert host.isdigit() and sse.isdigit() and host != sse
+
+
 def test_mismatched_entry_is_refused(tmp_path, caplog):
     """A file whose stored key differs from its name (renamed, or a hash collision) is never run."""
     cache = ExecutableCache(tmp_path)
