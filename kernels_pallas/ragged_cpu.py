@@ -44,7 +44,7 @@ def target(head_dim: int) -> str:
 
 def unavailable(head_dim: int) -> str | None:
     """Why the kernel cannot run this head dim in this process (None: it can, and its handler is registered with
-    XLA). The first call imports numba (about half a second); the first for a handler variant builds it (about 13 s
+    XLA). The first call imports numba (about half a second); the first for a handler variant builds it (about 10 s
     on 2 cores, once per machine) or loads it from numba's cache (about a second)."""
     reason = _numba_missing()
     if reason is not None:

@@ -2,7 +2,7 @@
 
 Imported on first use only (importing numba takes about half a second). Each handler (`handler(head_dim)`) is
 compiled on first use, once per machine, into numba's cache (`__pycache__` beside this file, or NUMBA_CACHE_DIR):
-about 13 s on 2 cores, then about a second to load.
+about 10 s on 2 cores, then about a second to load.
 
 The head dim is a compile-time constant for 64, the default model's (`SPECIALIZED`): its loops unroll, and the kernel
 ran 10-15% faster than with the head dim read at run time. Every other size shares one handler that reads it from
@@ -156,10 +156,17 @@ def _page_pv(o, w, w0, v, page, head, head_dim):
 
 
 @njit(fastmath=True, inline="always")
-def _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, head_dim):
+def _dim(head_dim, q):
+    """The head dim the loops run to: head_dim, a compile-time constant in the specialized handlers, or (0) q's."""
+    return head_dim if head_dim > 0 else q.shape[-1]
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _prefill_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, head_dim):
     """Query rows of one sequence and one KV head: q f32[R, head_dim] (R = tokens x group heads, token-major),
     rows_pos i64[R] each row's absolute position (its keys: causal, within the window) -> out f32[R, head_dim].
-    scores f32[>= R, >= keys] is scratch."""
+    scores f32[>= R, >= keys] is scratch. head_dim: see _dim."""
+    head_dim = _dim(head_dim, q)
     rows = q.shape[0]
     num_pages, page_size = k.shape[0], k.shape[1]
     last_key = min(rows_pos.max(), table.shape[0] * page_size - 1)  # keys past the table do not exist
@@ -205,17 +212,6 @@ def _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, score
 
 
 @njit(fastmath=True, inline="always")
-def _dim(head_dim, q):
-    """The head dim the loops run to: head_dim, a compile-time constant in the specialized handlers, or (0) q's."""
-    return head_dim if head_dim > 0 else q.shape[-1]
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _prefill_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, head_dim):
-    _prefill_rows(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, _dim(head_dim, q))
-
-
-@njit(fastmath=True, inline="always")
 def _pass_rows(r0, end, pad):
     """Rows 2-4 of a pass that starts at row r0 of a group ending at `end`: past the end, scratch rows pad + 1 ..
     pad + 3, which take what the pass computes for its padding rows."""
@@ -223,16 +219,16 @@ def _pass_rows(r0, end, pad):
             r0 + 3 if r0 + 3 < end else pad + 3)  # fmt: skip
 
 
-@njit(fastmath=True, inline="always")
-def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim):
+@njit(fastmath=True, nogil=True, cache=True)
+def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim):
     """One decode token's query rows for KV heads h0, h0 + 1, ...: q f32[rows, head_dim] (scaled; each KV head's
     `group` rows together), the token at position pos -> out f32[rows, head_dim].
 
     One pass over the pages in order, each page's K rows then its V rows for all these heads (a page's K or V rows
     of consecutive heads are one contiguous block, read once), with an online softmax: a running max and sum per
     row (run_max, run_sum), acc rescaled when the max grows. s f32[>= rows + 4, page_size] and acc f32[>= rows + 4,
-    head_dim] are scratch; the rows past `rows` take a pass's padding rows. head_dim is a constant where the caller
-    can make it one (the loops over it then unroll)."""
+    head_dim] are scratch; the rows past `rows` take a pass's padding rows. head_dim: see _dim."""
+    head_dim = _dim(head_dim, q)
     rows = q.shape[0]
     num_pages, page_size = k.shape[0], k.shape[1]
     last = min(pos, table.shape[0] * page_size - 1)  # keys past the table do not exist
@@ -310,11 +306,6 @@ def _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
         inv = np.float32(1.0) / run_sum[r]
         for d in range(head_dim):
             out[r, d] = acc[r, d] * inv
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim):
-    _decode_rows(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, _dim(head_dim, q))
 
 
 @njit(fastmath=True, inline="always")

@@ -79,7 +79,7 @@ def start_with_session(items: list[pytest.Item]) -> None:
     if not CHILD and not _started and any(i.nodeid.startswith(LAUNCHER) for i in items):
         # Both pytests and the servers their tests start load the CPU attention kernel's two handlers (head dim 64, the
         # default model's, and any other, the tiny test model's). They are built here first: numba does not lock its
-        # cache, so processes that start before one is written each compile it (~12 s on 2 cores).
+        # cache, so processes that start before one is written each compile it (~10 s on 2 cores).
         from kernels_pallas import ragged_cpu
 
         for head_dim in (64, 16):
