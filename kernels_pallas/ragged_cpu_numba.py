@@ -370,16 +370,16 @@ def _attend(q, k, v, table, context_lens, query_start_loc, num_seqs, out, scale,
                    np.int64(longest_context), head_dim)  # fmt: skip
 
 
-# Every argument a call site passes is a run-time int64 (np.int64 around constants and the prange index), except
-# head_dim: numba compiles a specialization for each type a call site gives, and constants and prange's uint64 index
-# had made 7 of them (a new machine's build took 37 s, not 20).
+# numba compiles a specialization for each set of argument types a call site gives: the call sites pass every integer
+# as a run-time np.int64 (constants and the prange index's uint64 had made 7 specializations, a 37 s build), except
+# head_dim, a constant in the 64 handler by design.
 @njit(fastmath=True, nogil=True, cache=True)
 def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_start, blk_len, blk_pos, order, decodes,
                out, scale, window, cap, rows_max, longest_context, head_dim):  # fmt: skip
     """Items w, w + workers, ... of one call: the decode blocks' items first (order[:decodes], by block, then KV
     head range), then the prefill blocks' (order[decodes:], by block, then KV head). Scratch is sized by the
     call's largest item, not the table's width: a decode step at 300 keys needs a 4 KB scores row, where BLOCK_Q
-    rows of max_model_len keys would be an mmap and fresh page faults every call."""
+    rows of max_model_len keys would be an mmap and fresh page faults every call. head_dim: see _dim."""
     num_q_heads, hd = q.shape[1], _dim(head_dim, q)  # hd: head_dim's value
     num_kv_heads, page_size = k.shape[2], k.shape[1]
     group = num_q_heads // num_kv_heads
