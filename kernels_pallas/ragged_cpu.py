@@ -51,8 +51,7 @@ def unavailable(head_dim: int) -> str | None:
         return reason
     from kernels_pallas import ragged_cpu_numba
 
-    variant = ragged_cpu_numba.variant(head_dim)
-    numba_ffi.register(target(variant), lambda: ragged_cpu_numba.handler(variant))
+    numba_ffi.register(target(head_dim), lambda: ragged_cpu_numba.handler(head_dim))
     return None
 
 
