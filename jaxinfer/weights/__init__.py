@@ -18,8 +18,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, from_gguf_metadata
 from jaxinfer.device import resolve_dtype
+from jaxinfer.gguf_file import read_gguf
 from jaxinfer.model.transformer import Params, abstract_model
 from jaxinfer.model_files import resolve_model_path
 from jaxinfer.weights.checkpoint import (
@@ -31,7 +32,7 @@ from jaxinfer.weights.checkpoint import (
     save_checkpoint,
 )
 from jaxinfer.weights.gguf_loader import load_gguf
-from jaxinfer.weights.hf import load_hf
+from jaxinfer.weights.hf import load_hf, read_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +84,15 @@ def load_weights(
     """(config, params, path of the original weights). With a mesh, params are placed shard by shard and the
     config is the one they fit (see `jaxinfer.sharding.sharded_config`). `dtype` "auto": see
     `jaxinfer.device.auto_dtype` (float32 on CPU; the checkpoint's half precision, or bfloat16, on GPU/TPU)."""
-    path = resolve_model_path(str(model))
+    path, kind = _locate(model)
     backend = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     dtype = resolve_dtype(dtype, backend, checkpoint_dtype(path) if dtype == "auto" else None)
-    if is_checkpoint(path):
+    if kind == "checkpoint":
         cfg, params, source = _restore(path, dtype, mesh)
         return cfg, params, Path(source.get("path", path))
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} is neither an HF model directory (config.json) nor a jaxinfer checkpoint")
+    if kind == "hf":
         cfg, params = load_hf(path, dtype, mesh)
         return cfg, params, path
-    if path.suffix != ".gguf":
-        raise ValueError(f"don't know how to load {path}: expected a .gguf file, an HF directory or a checkpoint")
     if not use_cache:
         cfg, params = load_gguf(path, dtype, mesh)
         return cfg, params, path
@@ -119,6 +116,33 @@ def load_weights(
         del params
         cfg, params, _ = _restore(cached, dtype, mesh)  # a second failure is a bug, not damage: it raises
     return cfg, params, path
+
+
+def _locate(model: str | Path) -> tuple[Path, str]:
+    """The weights' path and kind ("checkpoint", "hf" or "gguf"); raises for anything else."""
+    path = resolve_model_path(str(model))
+    if is_checkpoint(path):
+        return path, "checkpoint"
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is neither an HF model directory (config.json) nor a jaxinfer checkpoint")
+        return path, "hf"
+    if path.suffix != ".gguf":
+        raise ValueError(f"don't know how to load {path}: expected a .gguf file, an HF directory or a checkpoint")
+    return path, "gguf"
+
+
+def read_model_config(model: str | Path, dtype: str = "auto") -> ModelConfig:
+    """The model's config as `load_weights(model, dtype)` reads it on one device, from its metadata alone (no tensor
+    is read: a GGUF file's `tie_word_embeddings`, which its tensors decide, is left at the default). Tens of ms, so
+    that a caller can start what depends on the model's shape (a kernel's build) while the weights load."""
+    path, kind = _locate(model)
+    dtype = resolve_dtype(dtype, jax.default_backend(), checkpoint_dtype(path) if dtype == "auto" else None)
+    if kind == "checkpoint":
+        return read_config(path, dtype)
+    if kind == "hf":
+        return read_hf_config(path, dtype)
+    return from_gguf_metadata(read_gguf(path, tensors=False).metadata, dtype=dtype)
 
 
 def _restore(path: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, Params, dict]:

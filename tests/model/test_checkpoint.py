@@ -11,7 +11,7 @@ import pytest
 
 from jaxinfer.config import ModelConfig, UnsupportedConfigError, from_gguf_metadata, from_hf_config
 from jaxinfer.model import init_params
-from jaxinfer.weights import gguf_loader, load_weights
+from jaxinfer.weights import gguf_loader, load_weights, read_model_config
 from jaxinfer.weights.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from jaxinfer.weights.convert import convert
 from tests.model.hf_reference import build
@@ -92,6 +92,23 @@ def smol_converted(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("converted")
     cfg, params, _ = load_weights(smollm2_gguf(), cache_dir=cache_dir)
     return cache_dir, cfg, params
+
+
+def test_read_model_config_is_what_loading_reads(smol_converted, tmp_path):
+    """The config read from metadata alone equals the loaded one for an HF directory, a checkpoint and a GGUF file
+    (whose tied output head, decided by its tensors, is the one field it leaves at the default)."""
+    from jaxinfer.model_files import smollm2_gguf
+
+    build("qwen3", tmp_path / "hf")
+    save_checkpoint(tmp_path / "ck", TINY, init_params(TINY))
+    for path in (tmp_path / "hf", tmp_path / "ck"):
+        for dtype in ("auto", "bfloat16"):
+            assert read_model_config(path, dtype) == load_weights(path, dtype)[0], (path, dtype)
+    loaded = load_weights(smollm2_gguf(), cache_dir=smol_converted[0])[0]  # the module's conversion: no new one
+    assert read_model_config(smollm2_gguf()) == loaded.replace(tie_word_embeddings=False)
+    assert loaded.tie_word_embeddings
+    with pytest.raises(FileNotFoundError):
+        read_model_config(tmp_path / "missing.gguf")
 
 
 def test_gguf_conversion_cache(smol_converted, monkeypatch):
