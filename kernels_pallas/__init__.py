@@ -8,6 +8,7 @@ from kernels_pallas.dispatch import (
     IMPLS,
     decode_implementation,
     paged_decode_attention,
+    prepare,
     ragged_implementation,
     ragged_paged_attention,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "decode_implementation",
     "paged_decode_attention",
     "pool_shape",
+    "prepare",
     "ragged_implementation",
     "ragged_paged_attention",
     "write_kv",

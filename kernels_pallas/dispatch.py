@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from kernels_pallas import cpu, decode_gpu, decode_tpu, ragged_cpu, ragged_gpu, ragged_tpu, reference
 from kernels_pallas.common import UnsupportedCase, heads_shape, heads_view, rows_view
@@ -117,6 +118,17 @@ def _resolve_impl(impl: str | None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS} or None")
     return impl
+
+
+def prepare(impl: str | None, head_dim: int, dtype: Any, kv_dtype: Any) -> bool:
+    """Starts, ahead of the first trace, what the kernel `impl` resolves to needs for a model of this head dim, dtype
+    and KV dtype: on CPU with float32 pools, the numba kernel's build (`ragged_cpu.prebuild`), in a child process
+    while the caller loads the weights. True when something started. Decides nothing: the first trace picks the
+    kernel as ever, and finds its build done or waits for it."""
+    float32 = jnp.dtype(dtype) == jnp.float32 and jnp.dtype(kv_dtype) == jnp.float32
+    if _resolve_impl(impl) == "cpu" and float32:
+        return ragged_cpu.prebuild(head_dim)
+    return False
 
 
 def decode_candidates(impl: str | None = None) -> list[_Candidate]:

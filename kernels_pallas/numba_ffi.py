@@ -119,6 +119,11 @@ _handlers: dict[str, Any] = {}  # target name -> its cfunc: XLA calls its machin
 _register_lock = threading.Lock()
 
 
+def registered(name: str) -> bool:
+    """Whether FFI target `name` is registered in this process."""
+    return name in _handlers
+
+
 def register(name: str, build: Callable[[], Any]) -> None:
     """Registers the compiled numba `cfunc` (signature `voidptr(voidptr)`) that `build` returns as XLA:CPU FFI
     target `name`, once: a concurrent caller waits for the first one's build, and the cfunc is kept here."""

@@ -23,6 +23,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +36,13 @@ import jax.numpy as jnp
 from kernels_pallas import numba_ffi
 from kernels_pallas.common import UnsupportedCase
 
+_log = logging.getLogger(__name__)
+
 # The FFI targets' names start with this; each handler variant (ragged_cpu_numba.variant) has its own target.
 TARGET = "jaxinfer_ragged_paged_attention_f32"
+# How long the first trace waits for a background build (`prebuild`) before building the handler itself. A build
+# takes about 10 s on 2 cores.
+PREBUILD_TIMEOUT_S = 300.0
 
 
 def target(head_dim: int) -> str:
@@ -44,15 +55,75 @@ def target(head_dim: int) -> str:
 
 def unavailable(head_dim: int) -> str | None:
     """Why the kernel cannot run this head dim in this process (None: it can, and its handler is registered with
-    XLA). The first call imports numba (about half a second); the first for a handler variant builds it (about 10 s
-    on 2 cores, once per machine) or loads it from numba's cache (about a second)."""
+    XLA). The first call imports numba (about half a second); the first for a handler variant waits for the child
+    `prebuild` started, if any, then loads the handler from numba's cache (a fraction of a second) or builds it
+    (about 10 s on 2 cores, once per machine)."""
     reason = _numba_missing()
     if reason is not None:
         return reason
     from kernels_pallas import ragged_cpu_numba
 
-    numba_ffi.register(target(head_dim), lambda: ragged_cpu_numba.handler(head_dim))
+    def build():
+        _join_prebuild(ragged_cpu_numba.variant(head_dim))
+        return ragged_cpu_numba.handler(head_dim)
+
+    numba_ffi.register(target(head_dim), build)
     return None
+
+
+_prebuilds: dict[int, subprocess.Popen] = {}  # handler variant -> the child process building it
+_prebuild_lock = threading.Lock()
+
+
+def prebuild(head_dim: int) -> bool:
+    """Starts building head_dim's handler in a child process when this machine has not built it yet (numba's cache
+    lacks it), so that it builds while the caller loads the model's weights: on a new machine the kernel's build
+    was 9-10 s of a 25 s start, in series with the weights. The first trace that needs the handler waits for the
+    child (`unavailable`), then loads it from the cache in a fraction of a second. True when a child started;
+    False when there is nothing to do (numba is missing, the handler is registered, cached or being built)."""
+    if _numba_missing() is not None or numba_ffi.registered(target(head_dim)):
+        return False
+    from kernels_pallas import ragged_cpu_numba
+
+    variant = ragged_cpu_numba.variant(head_dim)
+    with _prebuild_lock:
+        if variant in _prebuilds or ragged_cpu_numba.cached(head_dim):
+            return False
+        # The child imports this package from where this process found it, whatever its sys.path.
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        try:
+            _prebuilds[variant] = subprocess.Popen(_child_command(head_dim), env=env, stdin=subprocess.DEVNULL,
+                                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+        except OSError as e:  # no process can be started here: the first trace builds it, as without a child
+            _log.warning("could not start the CPU attention kernel's background build (%s)", e)
+            return False
+    return True
+
+
+def _child_command(head_dim: int) -> list[str]:
+    code = "import sys; from kernels_pallas.ragged_cpu_numba import handler; handler(int(sys.argv[1]))"
+    return [sys.executable, "-c", code, str(head_dim)]
+
+
+def _join_prebuild(variant: int) -> None:
+    """Waits for the child building `variant`'s handler, if one was started. Whatever became of it, the caller then
+    gets the handler from numba's cache or builds it itself; a failed child is logged with its error."""
+    with _prebuild_lock:
+        child = _prebuilds.pop(variant, None)
+    if child is None:
+        return
+    try:
+        _, err = child.communicate(timeout=PREBUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        _log.warning("the CPU attention kernel's background build passed %.0f s; building it here", PREBUILD_TIMEOUT_S)
+        return
+    if child.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-5:]
+        _log.warning("the CPU attention kernel's background build failed (exit %d); building it here: %s",
+                     child.returncode, " | ".join(tail))  # fmt: skip
 
 
 @functools.cache

@@ -473,7 +473,26 @@ def variant(head_dim: int) -> int:
     return head_dim if head_dim in SPECIALIZED else 0
 
 
+_SIGNATURE = types.voidptr(types.voidptr)  # XLA_FFI_Error* handler(XLA_FFI_CallFrame*)
+
+
 def handler(head_dim: int):
     """The XLA FFI handler (a numba cfunc) for `variant(head_dim)`, compiled, or loaded from numba's cache. Its
     caller keeps it (kernels_pallas.numba_ffi.register): XLA calls its machine code."""
-    return cfunc(types.voidptr(types.voidptr), fastmath=True, parallel=True, cache=True)(_HANDLERS[variant(head_dim)])
+    return cfunc(_SIGNATURE, fastmath=True, parallel=True, cache=True)(_HANDLERS[variant(head_dim)])
+
+
+def cached(head_dim: int) -> bool:
+    """Whether numba's cache holds `handler(head_dim)` for this machine and this source, so that it loads in about a
+    second instead of building. Asks the cache's index the way the cfunc's own load does (numba's FunctionCache,
+    keyed by signature, CPU name and features, and bytecode); where numba's internals differ from the ones this
+    was written against, answers True, and the handler is built where it is first needed."""
+    from numba.core.caching import FunctionCache
+    from numba.core.registry import cpu_target
+
+    try:
+        cache = FunctionCache(_HANDLERS[variant(head_dim)])
+        key = cache._index_key(_SIGNATURE, cpu_target.target_context.codegen())
+        return key in cache._cache_file._load_index()
+    except (AttributeError, TypeError):
+        return True

@@ -1,0 +1,134 @@
+"""The CPU kernel's build in a child process while the weights load (kernels_pallas.ragged_cpu.prebuild): the first
+trace loads what the child built, a failed or stuck child leaves the build to the first trace, and nothing starts
+where there is nothing to build."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import dispatch, numba_ffi, ragged_cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Run in a process of its own with an empty numba cache: the state of a machine's first start.
+FIRST_START = r"""
+import jax, jax.numpy as jnp, numpy as np
+from kernels_pallas import numba_ffi, ragged_cpu, ragged_cpu_numba, reference
+
+assert not ragged_cpu_numba.cached(64)
+assert ragged_cpu.prebuild(64)
+assert not ragged_cpu.prebuild(64), "a child is building it: nothing more starts"
+assert ragged_cpu.unavailable(64) is None
+handler = numba_ffi._handlers[ragged_cpu.target(64)]
+assert handler._cache_hits == 1, "the first trace loaded the child's build instead of building"
+assert ragged_cpu_numba.cached(64) and not ragged_cpu.prebuild(64)
+
+rng = np.random.default_rng(0)
+q = jnp.asarray(rng.standard_normal((3, 9, 64)), jnp.float32)
+k, v = (jnp.asarray(rng.standard_normal((8, 16, 3, 64)), jnp.float32) for _ in range(2))
+table = jnp.asarray([[3, 1], [0, 5], [7, 2]], jnp.int32)
+lengths = jnp.asarray([5, 20, 32], jnp.int32)
+got = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125))(q, k, v, table, lengths)
+want = reference.paged_decode_attention(q, k, v, table, lengths, scale=0.125)
+np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+print("first start ok")
+"""
+
+
+def test_a_first_start_builds_the_kernel_in_a_child_and_the_first_trace_loads_it(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", FIRST_START], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "first start ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.fixture
+def must_build(monkeypatch):
+    """This process's kernel is registered and cached (the suite uses it): make prebuild see a new machine, and
+    forget any child it starts."""
+    monkeypatch.setattr(numba_ffi, "registered", lambda name: False)
+    from kernels_pallas import ragged_cpu_numba
+
+    monkeypatch.setattr(ragged_cpu_numba, "cached", lambda head_dim: False)
+    monkeypatch.setattr(ragged_cpu, "_prebuilds", {})
+
+
+def _child(monkeypatch, code: str) -> None:
+    monkeypatch.setattr(ragged_cpu, "_child_command", lambda head_dim: [sys.executable, "-c", code])
+
+
+def test_a_failed_child_is_logged_and_leaves_the_build_to_the_first_trace(must_build, monkeypatch, caplog):
+    _child(monkeypatch, "import sys; sys.exit('no compiler here')")
+    assert ragged_cpu.prebuild(64)
+    with caplog.at_level(logging.WARNING, logger="kernels_pallas.ragged_cpu"):
+        ragged_cpu._join_prebuild(64)
+    assert "background build failed (exit 1)" in caplog.text and "no compiler here" in caplog.text
+    assert ragged_cpu._prebuilds == {}
+
+
+def test_a_child_past_its_time_is_stopped(must_build, monkeypatch, caplog):
+    _child(monkeypatch, "import time; time.sleep(60)")
+    monkeypatch.setattr(ragged_cpu, "PREBUILD_TIMEOUT_S", 0.5)
+    assert ragged_cpu.prebuild(64)
+    child = ragged_cpu._prebuilds[64]
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="kernels_pallas.ragged_cpu"):
+        ragged_cpu._join_prebuild(64)
+    assert time.perf_counter() - start < 10 and child.returncode is not None
+    assert "passed" in caplog.text and "building it here" in caplog.text
+
+
+def test_where_no_process_can_start_the_first_trace_builds(must_build, monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise PermissionError("fork refused")
+
+    monkeypatch.setattr(ragged_cpu.subprocess, "Popen", refuse)
+    with caplog.at_level(logging.WARNING, logger="kernels_pallas.ragged_cpu"):
+        assert not ragged_cpu.prebuild(64)
+    assert "could not start" in caplog.text and ragged_cpu._prebuilds == {}
+
+
+def test_one_child_per_handler(must_build, monkeypatch):
+    """Head dims 16 and 128 share the any-head-dim handler: one child builds it; 64 has its own."""
+    _child(monkeypatch, "pass")
+    assert ragged_cpu.prebuild(16) and not ragged_cpu.prebuild(128) and ragged_cpu.prebuild(64)
+    assert sorted(ragged_cpu._prebuilds) == [0, 64]
+    for variant in (0, 64):
+        ragged_cpu._join_prebuild(variant)
+
+
+def test_nothing_starts_for_a_registered_or_cached_handler(monkeypatch):
+    from kernels_pallas import ragged_cpu_numba
+
+    monkeypatch.setattr(ragged_cpu, "_prebuilds", {})
+    assert ragged_cpu.unavailable(64) is None  # registered in this process now
+    assert not ragged_cpu.prebuild(64)
+    monkeypatch.setattr(numba_ffi, "registered", lambda name: False)
+    assert ragged_cpu_numba.cached(64)  # the suite's build
+    assert not ragged_cpu.prebuild(64) and ragged_cpu._prebuilds == {}
+
+
+@pytest.mark.parametrize(
+    "impl,dtype,kv_dtype,starts",
+    [
+        (None, "float32", "float32", True),
+        ("cpu", "float32", "float32", True),
+        ("cpu_jnp", "float32", "float32", False),
+        ("reference", "float32", "float32", False),
+        (None, "float32", "bfloat16", False),
+        (None, "bfloat16", "bfloat16", False),
+    ],
+)
+def test_prepare_starts_the_build_only_where_the_kernel_will_run(monkeypatch, impl, dtype, kv_dtype, starts):
+    calls = []
+    monkeypatch.setattr(ragged_cpu, "prebuild", lambda head_dim: calls.append(head_dim) or True)
+    assert dispatch.prepare(impl, 64, jnp.dtype(dtype), kv_dtype) == starts
+    assert calls == ([64] if starts else [])
