@@ -9,6 +9,7 @@ import time
 import jax
 from flax import nnx
 
+import kernels_pallas
 from jaxinfer.cache.sizing import parse_bytes, parse_size
 from jaxinfer.device import check_device, resolve_kv_cache_dtype
 from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineArgs, batch_limits
@@ -21,7 +22,7 @@ from jaxinfer.model.protocol import check_model, is_entry_point, load_entry_poin
 from jaxinfer.model_files import resolve_model_path
 from jaxinfer.sharding import make_mesh, place_module
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
-from jaxinfer.weights import load_model
+from jaxinfer.weights import load_model, read_model_config
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
         if dp > 1 and jax.process_count() > 1:
             raise ValueError("data_parallel_size: data parallelism across processes is not supported")
         mesh = make_mesh(tp, dp)
+    if isinstance(args.model, str) and not is_entry_point(args.model):
+        _prepare_kernels(args)
     cfg, params, tokenizer = _load(args.model, args.tokenizer, args.dtype, mesh, dp)
     cache = cache_config(args, cfg)
     eos = tokenizer.eos_token_ids
@@ -65,6 +68,16 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
             e.runner.timeline = StepTimeline(max_steps=TIMELINE_WINDOW)
     log.info("model %s loaded in %.1fs", args.model, time.perf_counter() - t0)
     return engine, tokenizer
+
+
+def _prepare_kernels(args: EngineArgs) -> None:
+    """Starts what the attention kernel needs for this model before its weights load, so the two overlap: on a
+    CPU machine that has not built the numba kernel yet, its build (9-10 s on 2 cores) runs in a child process."""
+    cfg = read_model_config(args.model, args.dtype)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, cfg.dtype)
+    if kernels_pallas.prepare(args.attn_impl, cfg.head_dim, cfg.dtype, kv_dtype):
+        log.info("building the CPU attention kernel (head dim %d) in a child process while the weights load",
+                 cfg.head_dim)  # fmt: skip
 
 
 def cache_config(args: EngineArgs, cfg) -> CacheConfig:
