@@ -24,11 +24,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +72,8 @@ def unavailable(head_dim: int) -> str | None:
     return None
 
 
-_prebuilds: dict[int, subprocess.Popen] = {}  # handler variant -> the child process building it
+# handler variant -> the child process building it, and the file its stderr goes to
+_prebuilds: dict[int, tuple[subprocess.Popen, Any]] = {}
 _prebuild_lock = threading.Lock()
 
 
@@ -89,41 +91,57 @@ def prebuild(head_dim: int) -> bool:
     with _prebuild_lock:
         if variant in _prebuilds or ragged_cpu_numba.cached(head_dim):
             return False
-        # The child imports this package from where this process found it, whatever its sys.path.
-        root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        errors = tempfile.TemporaryFile()  # a file, not a pipe: a child nobody joins can never block on it
         try:
-            _prebuilds[variant] = subprocess.Popen(_child_command(head_dim), env=env, stdin=subprocess.DEVNULL,
-                                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+            child = subprocess.Popen(_child_command(head_dim), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=errors)  # fmt: skip
         except OSError as e:  # no process can be started here: the first trace builds it, as without a child
+            errors.close()
             _log.warning("could not start the CPU attention kernel's background build (%s)", e)
             return False
+        _prebuilds[variant] = (child, errors)
     return True
 
 
+# The child imports this package from where this process found it (its sys.path may lack that folder: a notebook's
+# own sys.path, a script run from elsewhere).
+_CHILD = """
+import importlib.util, os, sys
+root = sys.argv[2]
+spec = importlib.util.find_spec("kernels_pallas")
+if spec is None or os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) != root:
+    sys.path.insert(0, root)
+from kernels_pallas.ragged_cpu_numba import handler
+handler(int(sys.argv[1]))
+"""
+
+
 def _child_command(head_dim: int) -> list[str]:
-    code = "import sys; from kernels_pallas.ragged_cpu_numba import handler; handler(int(sys.argv[1]))"
-    return [sys.executable, "-c", code, str(head_dim)]
+    return [sys.executable, "-c", _CHILD, str(head_dim), str(Path(__file__).resolve().parent.parent)]
 
 
 def _join_prebuild(variant: int) -> None:
     """Waits for the child building `variant`'s handler, if one was started. Whatever became of it, the caller then
     gets the handler from numba's cache or builds it itself; a failed child is logged with its error."""
     with _prebuild_lock:
-        child = _prebuilds.pop(variant, None)
-    if child is None:
+        started = _prebuilds.pop(variant, None)
+    if started is None:
         return
-    try:
-        _, err = child.communicate(timeout=PREBUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        _log.warning("the CPU attention kernel's background build passed %.0f s; building it here", PREBUILD_TIMEOUT_S)
-        return
-    if child.returncode != 0:
-        tail = err.decode(errors="replace").strip().splitlines()[-5:]
-        _log.warning("the CPU attention kernel's background build failed (exit %d); building it here: %s",
-                     child.returncode, " | ".join(tail))  # fmt: skip
+    child, errors = started
+    with errors:
+        try:
+            child.wait(timeout=PREBUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            _log.warning("the CPU attention kernel's background build passed %.0f s; building it here",
+                         PREBUILD_TIMEOUT_S)  # fmt: skip
+            return
+        if child.returncode != 0:
+            errors.seek(0)
+            tail = errors.read().decode(errors="replace").strip().splitlines()[-5:]
+            _log.warning("the CPU attention kernel's background build failed (exit %d); building it here: %s",
+                         child.returncode, " | ".join(tail))  # fmt: skip
 
 
 @functools.cache

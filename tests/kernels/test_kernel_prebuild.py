@@ -18,8 +18,11 @@ from kernels_pallas import dispatch, numba_ffi, ragged_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Run in a process of its own with an empty numba cache: the state of a machine's first start.
+# Run in a process of its own with an empty numba cache: the state of a machine's first start. It finds the package
+# through its own sys.path, as a notebook may, so the child must be told where it is.
 FIRST_START = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
 from kernels_pallas import numba_ffi, ragged_cpu, ragged_cpu_numba, reference
 
@@ -44,8 +47,9 @@ print("first start ok")
 
 
 def test_a_first_start_builds_the_kernel_in_a_child_and_the_first_trace_loads_it(tmp_path):
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", FIRST_START], env=env, cwd=tmp_path, capture_output=True,
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "numba"), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", FIRST_START, str(ROOT)], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0 and "first start ok" in done.stdout, done.stderr[-3000:]
 
@@ -78,7 +82,7 @@ def test_a_child_past_its_time_is_stopped(must_build, monkeypatch, caplog):
     _child(monkeypatch, "import time; time.sleep(60)")
     monkeypatch.setattr(ragged_cpu, "PREBUILD_TIMEOUT_S", 0.5)
     assert ragged_cpu.prebuild(64)
-    child = ragged_cpu._prebuilds[64]
+    child, _ = ragged_cpu._prebuilds[64]
     start = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="kernels_pallas.ragged_cpu"):
         ragged_cpu._join_prebuild(64)
