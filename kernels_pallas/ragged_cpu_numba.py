@@ -485,8 +485,9 @@ def handler(head_dim: int):
 def cached(head_dim: int) -> bool:
     """Whether numba's cache holds `handler(head_dim)` for this machine and this source, so that it loads in about a
     second instead of building. Asks the cache's index the way the cfunc's own load does (numba's FunctionCache,
-    keyed by signature, CPU name and features, and bytecode); where numba's internals differ from the ones this
-    was written against, answers True, and the handler is built where it is first needed."""
+    keyed by signature, CPU name and features, and bytecode). Where numba's internals differ from the ones this
+    was written against, or numba finds no folder to cache in (RuntimeError), answers True: nothing is built ahead,
+    and the handler's first use meets the same cache as ever."""
     from numba.core.caching import FunctionCache
     from numba.core.registry import cpu_target
 
@@ -494,5 +495,5 @@ def cached(head_dim: int) -> bool:
         cache = FunctionCache(_HANDLERS[variant(head_dim)])
         key = cache._index_key(_SIGNATURE, cpu_target.target_context.codegen())
         return key in cache._cache_file._load_index()
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):
         return True

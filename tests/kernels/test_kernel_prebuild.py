@@ -120,6 +120,21 @@ def test_nothing_starts_for_a_registered_or_cached_handler(monkeypatch):
     assert not ragged_cpu.prebuild(64) and ragged_cpu._prebuilds == {}
 
 
+@pytest.mark.parametrize("error", [AttributeError, RuntimeError])
+def test_a_cache_index_numba_cannot_open_starts_nothing(monkeypatch, error):
+    """numba's internals changed (AttributeError), or it has no folder to cache in (RuntimeError): no child; the
+    first trace meets numba's cache as it always did."""
+    import numba.core.caching
+
+    from kernels_pallas import ragged_cpu_numba
+
+    def unusable(py_func):
+        raise error("no locator available")
+
+    monkeypatch.setattr(numba.core.caching, "FunctionCache", unusable)
+    assert ragged_cpu_numba.cached(64)
+
+
 @pytest.mark.parametrize(
     "impl,dtype,kv_dtype,starts",
     [
