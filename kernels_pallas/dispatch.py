@@ -120,13 +120,16 @@ def _resolve_impl(impl: str | None) -> str:
     return impl
 
 
-def prepare(impl: str | None, head_dim: int, dtype: Any, kv_dtype: Any) -> bool:
-    """Starts, ahead of the first trace, what the kernel `impl` resolves to needs for a model of this head dim, dtype
-    and KV dtype: on CPU with float32 pools, the numba kernel's build (`ragged_cpu.prebuild`), in a child process
-    while the caller loads the weights. True when something started. Decides nothing: the first trace picks the
-    kernel as ever, and finds its build done or waits for it."""
-    float32 = jnp.dtype(dtype) == jnp.float32 and jnp.dtype(kv_dtype) == jnp.float32
-    if _resolve_impl(impl) == "cpu" and float32:
+def prepare(impl: str | None, model_shape: Callable[[], tuple[int, Any, Any]]) -> bool:
+    """Starts, ahead of the first trace, what the kernel `impl` resolves to needs: on the CPU backend with float32
+    weights and pools, the numba kernel's build (`ragged_cpu.prebuild`), in a child process while the caller loads
+    the weights. `model_shape()` gives (head dim, dtype, KV dtype); it is called only where a kernel could build
+    ahead, so other backends read no config. True when something started. Decides nothing: the first trace picks
+    the kernel as ever, and finds its build done or waits for it."""
+    if jax.default_backend() != "cpu" or _resolve_impl(impl) != "cpu":
+        return False
+    head_dim, dtype, kv_dtype = model_shape()
+    if jnp.dtype(dtype) == jnp.float32 and jnp.dtype(kv_dtype) == jnp.float32:
         return ragged_cpu.prebuild(head_dim)
     return False
 

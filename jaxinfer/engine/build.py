@@ -73,11 +73,13 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
 def _prepare_kernels(args: EngineArgs) -> None:
     """Starts what the attention kernel needs for this model before its weights load, so the two overlap: on a
     CPU machine that has not built the numba kernel yet, its build (9-10 s on 2 cores) runs in a child process."""
-    cfg = read_model_config(args.model, args.dtype)
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, cfg.dtype)
-    if kernels_pallas.prepare(args.attn_impl, cfg.head_dim, cfg.dtype, kv_dtype):
-        log.info("building the CPU attention kernel (head dim %d) in a child process while the weights load",
-                 cfg.head_dim)  # fmt: skip
+
+    def model_shape() -> tuple[int, str, str]:
+        cfg = read_model_config(args.model, args.dtype)
+        return cfg.head_dim, cfg.dtype, resolve_kv_cache_dtype(args.kv_cache_dtype, cfg.dtype)
+
+    if kernels_pallas.prepare(args.attn_impl, model_shape):
+        log.info("building the CPU attention kernel in a child process while the weights load")
 
 
 def cache_config(args: EngineArgs, cfg) -> CacheConfig:

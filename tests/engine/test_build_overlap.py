@@ -21,7 +21,8 @@ def test_the_kernel_is_prepared_for_the_models_head_dim_before_the_weights_load(
                                                                                   expected):  # fmt: skip
     write_tiny_model(tmp_path / "tiny")  # head dim 16
     events = []
-    monkeypatch.setattr(build.kernels_pallas, "prepare", lambda *a: events.append(("prepare", a)) or False)
+    monkeypatch.setattr(build.kernels_pallas, "prepare",
+                        lambda impl, shape: events.append(("prepare", (impl, *shape()))) or False)  # fmt: skip
 
     def load(*args):
         events.append(("load", None))

@@ -149,5 +149,16 @@ def test_a_cache_index_numba_cannot_open_starts_nothing(monkeypatch, error):
 def test_prepare_starts_the_build_only_where_the_kernel_will_run(monkeypatch, impl, dtype, kv_dtype, starts):
     calls = []
     monkeypatch.setattr(ragged_cpu, "prebuild", lambda head_dim: calls.append(head_dim) or True)
-    assert dispatch.prepare(impl, 64, jnp.dtype(dtype), kv_dtype) == starts
+    assert dispatch.prepare(impl, lambda: (64, jnp.dtype(dtype), kv_dtype)) == starts
     assert calls == ([64] if starts else [])
+
+
+@pytest.mark.parametrize("impl", [None, "cpu"])
+def test_prepare_reads_no_config_on_other_backends(monkeypatch, impl):
+    """Only the CPU kernel builds ahead: on a GPU or TPU the model's config is not read for it."""
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+
+    def model_shape():
+        raise AssertionError("read the config on a GPU")
+
+    assert not dispatch.prepare(impl, model_shape)
