@@ -80,6 +80,14 @@ def read_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
     return cfg if dtype is None else cfg.replace(dtype=dtype)
 
 
+def _default_device() -> jax.Device:
+    """The device a new array lands on: `jax.default_device`'s where one is set, else the default backend's first."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):  # the setting also takes a platform name
+        return jax.devices(device)[0]
+    return device or jax.devices()[0]
+
+
 def restore_checkpoint(
     path: str | Path, shardings: Any = None, dtype: str | None = None
 ) -> tuple[ModelConfig, Params, dict[str, Any]]:
@@ -94,8 +102,12 @@ def restore_checkpoint(
         raise CheckpointError(f"{path} is incomplete: the params/ directory is missing")
     abstract = abstract_model(cfg)[1]
     sh = dict(shardings.flat_state()) if shardings is not None else {}
+    # Without a sharding orbax places each array as it was saved, and refuses ("Topology mismatch") where that
+    # differs from now: a cache written from the CPU and read on a GPU host under `jax.default_device(cpu)`, seen on
+    # an H200. So one device is always named: the one new arrays land on here.
+    device = jax.sharding.SingleDeviceSharding(_default_device())
     target = nnx.map_state(
-        lambda p, v: v.replace(jax.ShapeDtypeStruct(v.shape, cfg.dtype, sharding=sh[p].get_value() if sh else None)),
+        lambda p, v: v.replace(jax.ShapeDtypeStruct(v.shape, cfg.dtype, sharding=sh[p].get_value() if sh else device)),
         abstract,
     )
     try:

@@ -26,6 +26,7 @@ if CHILD:
     from jaxinfer.sharding import ShardingError, make_mesh, placer, sharded_config
     from jaxinfer.types import SamplingParams
     from jaxinfer.weights import load_weights
+    from jaxinfer.weights.checkpoint import restore_checkpoint, save_checkpoint
     from jaxinfer.weights.layout import build_on_mesh
     from tests.sharding.multihost_common import getter_for
 
@@ -82,6 +83,19 @@ def _tiny_model_and_reference():
 def test_random_model_every_mesh_matches_one_device(dp, tp):
     cfg, params, ref = _tiny_model_and_reference()
     assert _greedy(_engine(cfg, params, make_mesh(tp, dp)), _prompts(cfg.vocab_size)) == ref
+
+
+@child_only
+def test_checkpoint_restores_onto_the_default_device(tmp_path):
+    """A checkpoint written from one device restores where new arrays land now (`jax.default_device`), as a CPU
+    run on a GPU host needs: without a named target orbax placed it as saved (here device 0; on an H200, a
+    "Topology mismatch" error)."""
+    cfg = _tiny_cfg()
+    save_checkpoint(tmp_path / "ck", cfg, init_params(cfg, 0))
+    target = jax.devices()[5]
+    with jax.default_device(target):
+        _, params, _ = restore_checkpoint(tmp_path / "ck")
+    assert {d for leaf in jax.tree.leaves(params) for d in leaf.devices()} == {target}
 
 
 @child_only
