@@ -148,6 +148,7 @@ def test_a_cache_index_numba_cannot_open_starts_nothing(monkeypatch, error):
 )
 def test_prepare_starts_the_build_only_where_the_kernel_will_run(monkeypatch, impl, dtype, kv_dtype, starts):
     calls = []
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "cpu")  # also where the run has a GPU
     monkeypatch.setattr(ragged_cpu, "prebuild", lambda head_dim: calls.append(head_dim) or True)
     assert dispatch.prepare(impl, lambda: (64, jnp.dtype(dtype), kv_dtype)) == starts
     assert calls == ([64] if starts else [])
