@@ -14,13 +14,15 @@ Layouts read here (c_api.h, FFI API 0.x):
   of XLA_FFI_Metadata are its int32 words 6 and 7.
 
 numba is imported only when a handler is first built (`jit_helpers`), so importing the kernels costs nothing on
-GPU and TPU.
+GPU and TPU. While a handler is still building (in a child process), a `Forwarder` stands in for it: a few lines of
+LLVM IR that XLA registers and compiles against at once, and that call the handler once it is built.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -28,6 +30,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import jax
+
+_log = logging.getLogger(__name__)
 
 # XLA_FFI_ExecutionStage_EXECUTE; the other stages (instantiate, prepare, initialize) have nothing to do here.
 _EXECUTE = 3
@@ -115,7 +119,125 @@ def jit_helpers() -> SimpleNamespace:
                            null=null)  # fmt: skip
 
 
-_handlers: dict[str, Any] = {}  # target name -> its cfunc: XLA calls its machine code for the process's lifetime
+# A forwarding handler, in LLVM IR (opaque pointers: LLVM 15 and later, as every llvmlite numba>=0.61 takes): it
+# answers XLA's metadata query and the non-execute stages itself, as `answer_non_execute` does, and forwards an execute
+# call to the handler whose address is in the cell at CELL. While the cell is empty it calls RESOLVER first (a ctypes
+# callback that builds the handler and returns its address); where that returns 0 (the build failed) it returns an
+# FFI error made by the API's XLA_FFI_Error_Create (word 6 of XLA_FFI_Api: struct_size, extension_start, the 3-word
+# api_version and internal_api come first) from XLA_FFI_Error_Create_Args {struct_size 28, extension_start, message,
+# errc 13 (internal)}.
+_FORWARDER_IR = """
+@message = private unnamed_addr constant [{length} x i8] c"{message}\\00"
+
+define ptr @forward(ptr %frame) {{
+entry:
+  %ext_at = getelementptr i64, ptr %frame, i64 1
+  %ext = load i64, ptr %ext_at
+  %has_ext = icmp ne i64 %ext, 0
+  br i1 %has_ext, label %extension, label %stage
+extension:
+  %ext_ptr = inttoptr i64 %ext to ptr
+  %type_at = getelementptr i64, ptr %ext_ptr, i64 1
+  %type = load i32, ptr %type_at
+  %is_metadata = icmp eq i32 %type, {metadata}
+  br i1 %is_metadata, label %version, label %done
+version:
+  %md_at = getelementptr i64, ptr %ext_ptr, i64 3
+  %md = load ptr, ptr %md_at
+  %major_at = getelementptr i32, ptr %md, i64 6
+  store i32 {major}, ptr %major_at
+  %minor_at = getelementptr i32, ptr %md, i64 7
+  store i32 {minor}, ptr %minor_at
+  br label %done
+stage:
+  %stage_at = getelementptr i64, ptr %frame, i64 4
+  %stage_value = load i32, ptr %stage_at
+  %is_execute = icmp eq i32 %stage_value, {execute}
+  br i1 %is_execute, label %execute, label %done
+execute:
+  %cell = inttoptr i64 {cell} to ptr
+  %handler = load atomic ptr, ptr %cell acquire, align 8
+  %ready = icmp ne ptr %handler, null
+  br i1 %ready, label %call, label %resolve
+resolve:
+  %resolver = inttoptr i64 {resolver} to ptr
+  %built = call ptr %resolver()
+  %built_ok = icmp ne ptr %built, null
+  br i1 %built_ok, label %call, label %error
+call:
+  %target = phi ptr [ %handler, %execute ], [ %built, %resolve ]
+  %result = call ptr %target(ptr %frame)
+  ret ptr %result
+error:
+  %api_at = getelementptr i64, ptr %frame, i64 2
+  %api = load ptr, ptr %api_at
+  %create_at = getelementptr i64, ptr %api, i64 6
+  %create = load ptr, ptr %create_at
+  %args = alloca {{ i64, ptr, ptr, i32 }}, align 8
+  store {{ i64, ptr, ptr, i32 }} {{ i64 28, ptr null, ptr @message, i32 13 }}, ptr %args
+  %error_ptr = call ptr %create(ptr %args)
+  ret ptr %error_ptr
+done:
+  ret ptr null
+}}
+"""
+
+
+class Forwarder:
+    """A handler XLA can register, and compile programs against, before the real one is built: its machine code
+    (`address`) forwards each execute call to the handler `build` returns, built by `resolve()` (the engine calls
+    `finish_builds` after its warm-up) or else by the first execute call itself, which waits for it. Used while a
+    child process builds the real handler (kernels_pallas.ragged_cpu.prebuild), so that XLA compiles the steps
+    meanwhile instead of waiting. A build that fails fails the programs that call the target, with an FFI error."""
+
+    def __init__(self, name: str, build: Callable[[], Any]):
+        import llvmlite.binding as llvm
+
+        self.name, self._build, self.handler = name, build, None
+        self._error: Exception | None = None
+        self._lock = threading.Lock()
+        self._cell = ctypes.c_uint64(0)  # the real handler's address, once built
+        self._resolver = ctypes.CFUNCTYPE(ctypes.c_uint64)(self._resolve_for_xla)  # kept: XLA's code calls it
+        message = f"the XLA FFI handler {name} failed to build (the log has the error)"
+        ir = _FORWARDER_IR.format(length=len(message) + 1, message=message, metadata=_METADATA_EXTENSION,
+                                  major=_API_MAJOR, minor=_API_MINOR, execute=_EXECUTE,
+                                  cell=ctypes.addressof(self._cell),
+                                  resolver=ctypes.cast(self._resolver, ctypes.c_void_p).value)  # fmt: skip
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        module = llvm.parse_assembly(ir)
+        module.verify()
+        machine = llvm.Target.from_default_triple().create_target_machine()
+        self._engine = llvm.create_mcjit_compiler(module, machine)  # kept: it owns the machine code
+        self._engine.finalize_object()
+        self.address = self._engine.get_function_address("forward")
+
+    def resolve(self) -> None:
+        """Builds the real handler (waiting for its child, if any) and points the forwarder at it; raises what the
+        build raises."""
+        with self._lock:
+            if self._error is not None:  # built once, failed: every later call fails the same way, at once
+                raise self._error
+            if self.handler is None:
+                try:
+                    self.handler = self._build()
+                except Exception as e:
+                    self._error = e
+                    raise
+                self._cell.value = self.handler.address
+
+    def _resolve_for_xla(self) -> int:
+        """`resolve` for an execute call that came first, on XLA's thread (ctypes takes the GIL): the handler's
+        address, or 0 when the build failed."""
+        try:
+            self.resolve()
+        except Exception:  # nothing can raise through XLA's frames: logged here, and the program fails with an error
+            _log.exception("building the XLA FFI handler %s failed", self.name)
+            return 0
+        return self._cell.value
+
+
+_handlers: dict[str, Any] = {}  # target name -> its cfunc or Forwarder: XLA calls its code for the process's lifetime
 _register_lock = threading.Lock()
 
 
@@ -124,16 +246,32 @@ def registered(name: str) -> bool:
     return name in _handlers
 
 
-def register(name: str, build: Callable[[], Any]) -> None:
+def register(name: str, build: Callable[[], Any], building: bool = False) -> None:
     """Registers the compiled numba `cfunc` (signature `voidptr(voidptr)`) that `build` returns as XLA:CPU FFI
-    target `name`, once: a concurrent caller waits for the first one's build, and the cfunc is kept here."""
+    target `name`, once: a concurrent caller waits for the first one's build, and the cfunc is kept here.
+
+    `building`: the handler is being built elsewhere (a child process `build` waits for). A `Forwarder` is
+    registered at once instead, so that tracing and compiling go on while it builds."""
     with _register_lock:
         if name in _handlers:
             return
-        handler = build()
+        handler = Forwarder(name, build) if building else build()
         new_capsule = ctypes.pythonapi.PyCapsule_New
         new_capsule.restype = ctypes.py_object
         new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
         capsule = new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None)
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
         _handlers[name] = handler
+
+
+def pending() -> bool:
+    """Whether a registered target still waits for its handler (`finish_builds` has work)."""
+    return any(isinstance(h, Forwarder) and h.handler is None for h in list(_handlers.values()))
+
+
+def finish_builds() -> None:
+    """Builds every handler registered ahead of its build (waiting for the child processes building them): after
+    this, every registered target runs. Raises what a build raises."""
+    for handler in list(_handlers.values()):
+        if isinstance(handler, Forwarder):
+            handler.resolve()
