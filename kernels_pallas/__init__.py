@@ -7,6 +7,7 @@ from kernels_pallas.common import POOL_LANE_MULTIPLE, UnsupportedCase, pool_shap
 from kernels_pallas.dispatch import (
     IMPLS,
     decode_implementation,
+    finish_builds,
     paged_decode_attention,
     prepare,
     ragged_implementation,
@@ -19,6 +20,7 @@ __all__ = [
     "POOL_LANE_MULTIPLE",
     "UnsupportedCase",
     "decode_implementation",
+    "finish_builds",
     "paged_decode_attention",
     "pool_shape",
     "prepare",

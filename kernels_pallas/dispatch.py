@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import cpu, decode_gpu, decode_tpu, ragged_cpu, ragged_gpu, ragged_tpu, reference
+from kernels_pallas import cpu, decode_gpu, decode_tpu, numba_ffi, ragged_cpu, ragged_gpu, ragged_tpu, reference
 from kernels_pallas.common import UnsupportedCase, heads_shape, heads_view, rows_view
 
 _log = logging.getLogger(__name__)
@@ -125,13 +125,20 @@ def prepare(impl: str | None, model_shape: Callable[[], tuple[int, Any, Any]]) -
     weights and pools, the numba kernel's build (`ragged_cpu.prebuild`), in a child process while the caller loads
     the weights. `model_shape()` gives (head dim, dtype, KV dtype); it is called only where a kernel could build
     ahead, so other backends read no config. True when something started. Decides nothing: the first trace picks
-    the kernel as ever, and finds its build done or waits for it."""
+    the kernel as ever, and finds its build done or registers a forwarder to it (`finish_builds`)."""
     if jax.default_backend() != "cpu" or _resolve_impl(impl) != "cpu":
         return False
     head_dim, dtype, kv_dtype = model_shape()
     if jnp.dtype(dtype) == jnp.float32 and jnp.dtype(kv_dtype) == jnp.float32:
         return ragged_cpu.prebuild(head_dim)
     return False
+
+
+def finish_builds() -> None:
+    """Loads the kernels that a trace registered while their builds (`prepare`) were still running, waiting for
+    those builds; after it every compiled step runs at once (else the first one to call such a kernel waits for
+    it). Raises what a build raises. Nothing to do, and cheap, in every other case."""
+    numba_ffi.finish_builds()
 
 
 def decode_candidates(impl: str | None = None) -> list[_Candidate]:

@@ -56,19 +56,24 @@ def target(head_dim: int) -> str:
 
 def unavailable(head_dim: int) -> str | None:
     """Why the kernel cannot run this head dim in this process (None: it can, and its handler is registered with
-    XLA). The first call imports numba (about half a second); the first for a handler variant waits for the child
-    `prebuild` started, if any, then loads the handler from numba's cache (a fraction of a second) or builds it
-    (about 10 s on 2 cores, once per machine)."""
+    XLA). The first call imports numba (about half a second); the first for a handler variant loads the handler from
+    numba's cache (a fraction of a second) or builds it (about 10 s on 2 cores, once per machine), or, while a child
+    `prebuild` started is building it, registers a forwarder to it and returns at once."""
     reason = _numba_missing()
     if reason is not None:
         return reason
     from kernels_pallas import ragged_cpu_numba
 
+    variant = ragged_cpu_numba.variant(head_dim)
+
     def build():
-        _join_prebuild(ragged_cpu_numba.variant(head_dim))
+        _join_prebuild(variant)
         return ragged_cpu_numba.handler(head_dim)
 
-    numba_ffi.register(target(head_dim), build)
+    # While a child still builds the handler, a forwarder is registered instead: the trace and XLA's compiles go on
+    # beside the build (on a new machine, 6 s of the build were left when the first trace came), and the handler is
+    # loaded once built (numba_ffi.finish_builds, after the engine's warm-up, or the first step that runs it).
+    numba_ffi.register(target(head_dim), build, building=_building(variant))
     return None
 
 
@@ -118,6 +123,13 @@ handler(int(sys.argv[1]))
 
 def _child_command(head_dim: int) -> list[str]:
     return [sys.executable, "-c", _CHILD, str(head_dim), str(Path(__file__).resolve().parent.parent)]
+
+
+def _building(variant: int) -> bool:
+    """Whether a child is building `variant`'s handler now."""
+    with _prebuild_lock:
+        started = _prebuilds.get(variant)
+    return started is not None and started[0].poll() is None
 
 
 def _join_prebuild(variant: int) -> None:

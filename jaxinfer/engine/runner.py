@@ -549,6 +549,9 @@ class ModelRunner:
                 self.launch(*self.padding_inputs(adv, t, s), decode_only, adv, plp)
                 if progress is not None:  # the launch compiled the bucket before it returned
                     progress(done, len(combos))
+        # A kernel whose build ran beside the compiles is loaded now, so that the first request does not wait for it
+        # and a failed build fails the start, as a build at trace time did.
+        kernels_pallas.finish_builds()
         if self.copier is not None:
             self.kv = self.copier.warmup(self.kv)
         jax.block_until_ready((self.kv, self.feed))

@@ -32,3 +32,18 @@ def test_the_kernel_is_prepared_for_the_models_head_dim_before_the_weights_load(
     with pytest.raises(_Stop):
         build.build_engine(EngineArgs(model=str(tmp_path / "tiny"), **kwargs))
     assert events == [("prepare", expected), ("load", None)]
+
+
+def test_warmup_loads_the_kernels_built_beside_its_compiles(tmp_path, monkeypatch):
+    """A kernel a trace registered ahead of its build (kernels_pallas.finish_builds) is loaded by the warm-up, after
+    the compiles: a build that failed fails the start, not the first request."""
+    write_tiny_model(tmp_path / "tiny")
+    engine, _ = build.build_engine(EngineArgs(model=str(tmp_path / "tiny"), max_num_seqs=1, max_num_batched_tokens=16,
+                                              max_model_len=64))  # fmt: skip
+
+    def failed_build():
+        raise RuntimeError("the kernel's build failed")
+
+    monkeypatch.setattr(build.kernels_pallas, "finish_builds", failed_build)
+    with pytest.raises(RuntimeError, match="the kernel's build failed"):
+        engine.runner.warmup(advanced=False)

@@ -1,6 +1,6 @@
 """The CPU kernel's build in a child process while the weights load (kernels_pallas.ragged_cpu.prebuild): the first
-trace loads what the child built, a failed or stuck child leaves the build to the first trace, and nothing starts
-where there is nothing to build."""
+trace registers a forwarder and the steps compile while the child builds, the first run loads what the child built, a
+failed or stuck child leaves the build to the process, and nothing starts where there is nothing to build."""
 
 from __future__ import annotations
 
@@ -30,23 +30,26 @@ assert not ragged_cpu_numba.cached(64)
 assert ragged_cpu.prebuild(64)
 assert not ragged_cpu.prebuild(64), "a child is building it: nothing more starts"
 assert ragged_cpu.unavailable(64) is None
-handler = numba_ffi._handlers[ragged_cpu.target(64)]
-assert handler._cache_hits == 1, "the first trace loaded the child's build instead of building"
-assert ragged_cpu_numba.cached(64) and not ragged_cpu.prebuild(64)
+forwarder = numba_ffi._handlers[ragged_cpu.target(64)]
+assert isinstance(forwarder, numba_ffi.Forwarder), "the trace waited for the child instead of going on"
 
 rng = np.random.default_rng(0)
 q = jnp.asarray(rng.standard_normal((3, 9, 64)), jnp.float32)
 k, v = (jnp.asarray(rng.standard_normal((8, 16, 3, 64)), jnp.float32) for _ in range(2))
 table = jnp.asarray([[3, 1], [0, 5], [7, 2]], jnp.int32)
 lengths = jnp.asarray([5, 20, 32], jnp.int32)
-got = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125))(q, k, v, table, lengths)
+step = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125)).lower(q, k, v, table, lengths).compile()
+assert forwarder.handler is None and numba_ffi.pending(), "compiled while the child builds"
+got = step(q, k, v, table, lengths)  # the first run waits for the child and loads what it built
+assert forwarder.handler._cache_hits == 1, "loaded the child's build instead of building"
+assert ragged_cpu_numba.cached(64) and not ragged_cpu.prebuild(64) and not numba_ffi.pending()
 want = reference.paged_decode_attention(q, k, v, table, lengths, scale=0.125)
 np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 print("first start ok")
 """
 
 
-def test_a_first_start_builds_the_kernel_in_a_child_and_the_first_trace_loads_it(tmp_path):
+def test_a_first_start_compiles_while_the_child_builds_the_kernel_and_runs_what_it_built(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(NUMBA_CACHE_DIR=str(tmp_path / "numba"), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", FIRST_START, str(ROOT)], env=env, cwd=tmp_path, capture_output=True,
