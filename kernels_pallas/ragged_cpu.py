@@ -84,9 +84,10 @@ _prebuild_lock = threading.Lock()
 
 def prebuild(head_dim: int) -> bool:
     """Starts building head_dim's handler in a child process when this machine has not built it yet (numba's cache
-    lacks it), so that it builds while the caller loads the model's weights: on a new machine the kernel's build
-    was 9-10 s of a 25 s start, in series with the weights. The first trace that needs the handler waits for the
-    child (`unavailable`), then loads it from the cache in a fraction of a second. True when a child started;
+    lacks it), so that it builds while the caller loads the model's weights and compiles its steps: on a new machine
+    the kernel's build was 9-10 s of a 25 s start, in series with both. A trace meanwhile registers a forwarder to
+    the handler (`unavailable`); the handler is loaded from the cache, in a fraction of a second, once the child is
+    done (`numba_ffi.finish_builds`, or the first run that calls it). True when a child started;
     False when there is nothing to do (numba is missing, the handler is registered, cached or being built)."""
     if _numba_missing() is not None or numba_ffi.registered(target(head_dim)):
         return False
