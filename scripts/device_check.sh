@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks of a lent device machine, as one call: on-device tests, a plain LLM() run, decode latency at the
-# Qwen3-0.6B and Llama-3-8B shapes. First, here: `python scripts/device_pack.py` (wheels and a model that fit the
-# tool's 64 MiB). Then, through the device tool, in the repository root with `.device` carried:
+# The GPU checks of a lent device machine: on-device tests, a plain LLM() run, decode latency at the Qwen3-0.6B and
+# Llama-3-8B shapes. First, here: `python scripts/device_pack.py` (wheels and a model that fit the tool's 64 MiB).
+# Then, through the device tool, in the repository root with `.device` carried:
 #   bash scripts/device_check.sh [steps...]      # steps: device tests smoke qwen 8b (default: tests smoke qwen 8b)
+# A call runs at most 600 s and a fresh machine compiles everything, so on one run `tests` alone (up to 400 s), then
+# `smoke qwen 8b` (up to 340 s) in a second call while the machine is warm. `device` is tests/device alone (240 s).
 # Logs and JSON land in $OUT (the tool's folder; ./out/device elsewhere), one log per step, at most 8 files.
 set -uo pipefail
 out=${OUT:-out/device}
