@@ -119,11 +119,11 @@ def jit_helpers() -> SimpleNamespace:
                            null=null)  # fmt: skip
 
 
-# A forwarding handler, in LLVM IR (opaque pointers: LLVM 15 and later, as every llvmlite numba>=0.61 takes): it
-# answers XLA's metadata query and the non-execute stages itself, as `answer_non_execute` does, and forwards an execute
-# call to the handler whose address is in the cell at CELL. While the cell is empty it calls RESOLVER first (a ctypes
-# callback that builds the handler and returns its address); where that returns 0 (the build failed) it returns an
-# FFI error made by the API's XLA_FFI_Error_Create (word 6 of XLA_FFI_Api: struct_size, extension_start, the 3-word
+# A forwarding handler, in LLVM IR (opaque pointers: LLVM 15 and later, as every llvmlite numba>=0.61 takes).
+# `forward` answers XLA's metadata query and the non-execute stages itself, as `answer_non_execute` does, and calls the
+# handler whose address is in the cell at CELL; while the cell is empty it first calls RESOLVER (a ctypes callback that
+# builds the handler) and calls the address that returns. `fail` is what a failed build leaves in the cell: it returns
+# an FFI error made by the API's XLA_FFI_Error_Create (word 6 of XLA_FFI_Api: struct_size, extension_start, the 3-word
 # api_version and internal_api come first) from XLA_FFI_Error_Create_Args {struct_size 28, extension_start, message,
 # errc 13 (internal)}.
 _FORWARDER_IR = """
@@ -162,25 +162,30 @@ execute:
 resolve:
   %resolver = inttoptr i64 {resolver} to ptr
   %built = call ptr %resolver()
-  %built_ok = icmp ne ptr %built, null
-  br i1 %built_ok, label %call, label %error
+  br label %call
 call:
   %target = phi ptr [ %handler, %execute ], [ %built, %resolve ]
   %result = call ptr %target(ptr %frame)
   ret ptr %result
-error:
+done:
+  ret ptr null
+}}
+
+define ptr @fail(ptr %frame) {{
   %api_at = getelementptr i64, ptr %frame, i64 2
   %api = load ptr, ptr %api_at
   %create_at = getelementptr i64, ptr %api, i64 6
   %create = load ptr, ptr %create_at
   %args = alloca {{ i64, ptr, ptr, i32 }}, align 8
   store {{ i64, ptr, ptr, i32 }} {{ i64 28, ptr null, ptr @message, i32 13 }}, ptr %args
-  %error_ptr = call ptr %create(ptr %args)
-  ret ptr %error_ptr
-done:
-  ret ptr null
+  %error = call ptr %create(ptr %args)
+  ret ptr %error
 }}
 """
+
+
+class BuildFailed(RuntimeError):
+    """A handler registered ahead of its build (a `Forwarder`) failed to build; `__cause__` is why."""
 
 
 class Forwarder:
@@ -188,53 +193,86 @@ class Forwarder:
     (`address`) forwards each execute call to the handler `build` returns, built by `resolve()` (the engine calls
     `finish_builds` after its warm-up) or else by the first execute call itself, which waits for it. Used while a
     child process builds the real handler (kernels_pallas.ragged_cpu.prebuild), so that XLA compiles the steps
-    meanwhile instead of waiting. A build that fails fails the programs that call the target, with an FFI error."""
+    meanwhile instead of waiting. A build that fails is not retried: the programs that call the target fail with an
+    FFI error from then on, without entering Python again."""
 
     def __init__(self, name: str, build: Callable[[], Any]):
         import llvmlite.binding as llvm
+        from numba.core.compiler_lock import global_compiler_lock
 
         self.name, self._build, self.handler = name, build, None
-        self._error: Exception | None = None
+        self.error: BaseException | None = None  # why the build failed, once it has
         self._lock = threading.Lock()
-        self._cell = ctypes.c_uint64(0)  # the real handler's address, once built
+        self._cell = ctypes.c_uint64(0)  # the address execute calls go to: the handler, or `fail`
         self._resolver = ctypes.CFUNCTYPE(ctypes.c_uint64)(self._resolve_for_xla)  # kept: XLA's code calls it
         message = f"the XLA FFI handler {name} failed to build (the log has the error)"
-        ir = _FORWARDER_IR.format(length=len(message) + 1, message=message, metadata=_METADATA_EXTENSION,
+        ir = _FORWARDER_IR.format(length=len(message.encode()) + 1, message=message, metadata=_METADATA_EXTENSION,
                                   major=_API_MAJOR, minor=_API_MINOR, execute=_EXECUTE,
                                   cell=ctypes.addressof(self._cell),
                                   resolver=ctypes.cast(self._resolver, ctypes.c_void_p).value)  # fmt: skip
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        module = llvm.parse_assembly(ir)
-        module.verify()
-        machine = llvm.Target.from_default_triple().create_target_machine()
-        self._engine = llvm.create_mcjit_compiler(module, machine)  # kept: it owns the machine code
-        self._engine.finalize_object()
-        self.address = self._engine.get_function_address("forward")
+        with global_compiler_lock:  # LLVM's global context is numba's too, and numba may be compiling on a thread
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            module = llvm.parse_assembly(ir)
+            module.verify()
+            machine = llvm.Target.from_default_triple().create_target_machine()
+            self._engine = llvm.create_mcjit_compiler(module, machine)  # kept: it owns the machine code
+            self._engine.finalize_object()
+            self.address = self._engine.get_function_address("forward")
+            self._fail = self._engine.get_function_address("fail")
+        _abandon_at_exit()
+
+    @property
+    def pending(self) -> bool:
+        return self.handler is None and self.error is None
 
     def resolve(self) -> None:
-        """Builds the real handler (waiting for its child, if any) and points the forwarder at it; raises what the
-        build raises."""
+        """Builds the real handler (waiting for its child, if any) and points the forwarder at it; raises
+        `BuildFailed` when the build fails, now or did before (an interrupted build is tried again next time)."""
         with self._lock:
-            if self._error is not None:  # built once, failed: every later call fails the same way, at once
-                raise self._error
-            if self.handler is None:
+            if self.error is None and self.handler is None:
                 try:
                     self.handler = self._build()
                 except Exception as e:
-                    self._error = e
-                    raise
-                self._cell.value = self.handler.address
+                    self.error = e
+                    self._cell.value = self._fail
+                    _log.error("building the XLA FFI handler %s failed", self.name, exc_info=e)
+                else:
+                    self._cell.value = self.handler.address
+            if self.error is not None:
+                raise BuildFailed(f"the XLA FFI handler {self.name} failed to build: {self.error}") from self.error
 
     def _resolve_for_xla(self) -> int:
-        """`resolve` for an execute call that came first, on XLA's thread (ctypes takes the GIL): the handler's
-        address, or 0 when the build failed."""
+        """`resolve` for an execute call that came first, on XLA's thread (ctypes takes the GIL): the address to
+        call, the handler's or, where the build failed or was interrupted, `fail`'s."""
         try:
             self.resolve()
-        except Exception:  # nothing can raise through XLA's frames: logged here, and the program fails with an error
-            _log.exception("building the XLA FFI handler %s failed", self.name)
-            return 0
+        except BuildFailed:  # nothing can raise through XLA's frames: the program fails with the FFI error instead
+            return self._fail
+        except BaseException as e:  # an interrupt (Ctrl-C during the wait): this program fails, a later one retries
+            _log.warning("building the XLA FFI handler %s was interrupted (%r)", self.name, e)
+            return self._fail
         return self._cell.value
+
+    def abandon(self) -> None:
+        """At exit: execute calls that come now fail at once instead of building (waits for a build in flight)."""
+        with self._lock:
+            if self.pending:
+                self._cell.value = self._fail
+
+
+@functools.cache
+def _abandon_at_exit() -> None:
+    """Abandons pending handlers when the interpreter exits: a program still queued on XLA's threads that calls one
+    would otherwise call back into a finalizing interpreter, and the process would never exit (seen in a review)."""
+    import atexit
+
+    def abandon_pending() -> None:
+        for handler in list(_handlers.values()):
+            if isinstance(handler, Forwarder):
+                handler.abandon()
+
+    atexit.register(abandon_pending)
 
 
 _handlers: dict[str, Any] = {}  # target name -> its cfunc or Forwarder: XLA calls its code for the process's lifetime
@@ -266,12 +304,19 @@ def register(name: str, build: Callable[[], Any], building: bool = False) -> Non
 
 def pending() -> bool:
     """Whether a registered target still waits for its handler (`finish_builds` has work)."""
-    return any(isinstance(h, Forwarder) and h.handler is None for h in list(_handlers.values()))
+    return any(isinstance(h, Forwarder) and h.pending for h in list(_handlers.values()))
+
+
+def failed(name: str) -> BaseException | None:
+    """Why target `name`'s handler failed to build, where it was registered ahead of a build that failed."""
+    handler = _handlers.get(name)
+    return handler.error if isinstance(handler, Forwarder) else None
 
 
 def finish_builds() -> None:
     """Builds every handler registered ahead of its build (waiting for the child processes building them): after
-    this, every registered target runs. Raises what a build raises."""
+    this, every registered target runs. Raises `BuildFailed` for a build that fails now; one that failed before is
+    left alone (its programs fail, and the kernel's `unavailable` reports it, so new traces take another path)."""
     for handler in list(_handlers.values()):
-        if isinstance(handler, Forwarder):
+        if isinstance(handler, Forwarder) and handler.pending:
             handler.resolve()
