@@ -41,8 +41,8 @@ _log = logging.getLogger(__name__)
 
 # The FFI targets' names start with this; each handler variant (ragged_cpu_numba.variant) has its own target.
 TARGET = "jaxinfer_ragged_paged_attention_f32"
-# How long the first trace waits for a background build (`prebuild`) before building the handler itself. A build
-# takes about 10 s on 2 cores.
+# How long the process waits for a background build (`prebuild`) before building the handler itself. A build takes
+# about 10 s on 2 cores.
 PREBUILD_TIMEOUT_S = 300.0
 
 
@@ -55,13 +55,17 @@ def target(head_dim: int) -> str:
 
 
 def unavailable(head_dim: int) -> str | None:
-    """Why the kernel cannot run this head dim in this process (None: it can, and its handler is registered with
-    XLA). The first call imports numba (about half a second); the first for a handler variant loads the handler from
-    numba's cache (a fraction of a second) or builds it (about 10 s on 2 cores, once per machine), or, while a child
-    `prebuild` started is building it, registers a forwarder to it and returns at once."""
+    """Why the kernel cannot run this head dim in this process (None: it can, and its handler, or a forwarder to the
+    handler being built, is registered with XLA). The first call imports numba (about half a second); the first for
+    a handler variant loads the handler from numba's cache (a fraction of a second) or builds it (about 10 s on 2
+    cores, once per machine), or, while a child `prebuild` started is building it, registers a forwarder to it and
+    returns at once. A handler whose build failed beside a trace is unavailable from then on."""
     reason = _numba_missing()
     if reason is not None:
         return reason
+    error = numba_ffi.failed(target(head_dim))
+    if error is not None:  # built beside a trace, and the build failed: later traces take another kernel
+        return f"the numba kernel failed to build ({type(error).__name__}: {error})"
     from kernels_pallas import ragged_cpu_numba
 
     variant = ragged_cpu_numba.variant(head_dim)

@@ -166,3 +166,17 @@ def test_prepare_reads_no_config_on_other_backends(monkeypatch, impl):
         raise AssertionError("read the config on a GPU")
 
     assert not dispatch.prepare(impl, model_shape)
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_a_trace_registers_a_forwarder_only_while_the_child_builds(monkeypatch, running):
+    registered = []
+    monkeypatch.setattr(numba_ffi, "register", lambda name, build, building=False: registered.append(building))
+    monkeypatch.setattr(ragged_cpu, "_building", lambda variant: running)
+    assert ragged_cpu.unavailable(64) is None and registered == [running]
+
+
+def test_a_kernel_whose_build_failed_beside_a_trace_is_unavailable_to_later_traces(monkeypatch):
+    """Its programs fail; a later engine in the process takes another kernel instead (the dispatcher's fallback)."""
+    monkeypatch.setattr(numba_ffi, "failed", lambda name: RuntimeError("no compiler here"))
+    assert ragged_cpu.unavailable(64) == "the numba kernel failed to build (RuntimeError: no compiler here)"
