@@ -81,11 +81,11 @@ def read_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
 
 
 def _default_device() -> jax.Device:
-    """The device a new array lands on: `jax.default_device`'s where one is set, else the default backend's first."""
+    """The device a new array lands on: `jax.default_device`'s where one is set, else this process's first."""
     device = jax.config.jax_default_device
     if isinstance(device, str):  # the setting also takes a platform name
-        return jax.devices(device)[0]
-    return device or jax.devices()[0]
+        return jax.local_devices(backend=device)[0]
+    return device or jax.local_devices()[0]
 
 
 def restore_checkpoint(
