@@ -65,6 +65,8 @@ def main() -> None:
     subprocess.run([*pip, f"gguf=={version('gguf')}"], check=True)
     size = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"{OUT.relative_to(ROOT)}: {size / 2**20:.1f} MiB (the device tool carries at most 64 MiB with the tree)")
+    if size > 60 * 2**20:  # the tree itself is ~2 MiB
+        sys.exit(f"{OUT.relative_to(ROOT)} is over 60 MiB: pass fewer --layers")
 
 
 if __name__ == "__main__":
