@@ -265,8 +265,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, help="decode steps left out of the summary")
     p.add_argument("--bare-iters", type=int, help="replays of the bare step (median reported)")
     p.add_argument("--prefill-tokens", type=int, help="prompt tokens a step takes beside one per decoding row")
-    p.add_argument("--overlap", default="on,off", help="overlap scheduling settings to run: on, off or both")
-    p.add_argument("--sections", default="offline,http", help="offline, http or both")
+    p.add_argument("--overlap", default="on,off", help="overlap scheduling settings to run, a comma list: on, off")
+    p.add_argument("--sections", default="offline,http", help="sections to run, a comma list: offline, http")
     p.add_argument("--http-streams", type=int, default=200, help="concurrent streams in the http section")
     p.add_argument("--http-max-tokens", type=int, default=64, help="output tokens per stream in the http section")
     p.add_argument("--attn-impl", help="kernels_pallas impl (default: the dispatcher's choice)")
@@ -283,7 +283,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.dtype is None:
         args.dtype = "bfloat16" if args.shape else "float32"
     args.batch = int_list(args.batch)
-    args.overlap = [{"on": True, "off": False}[x] for x in args.overlap.split(",") if x]
+    overlap = [x for x in args.overlap.split(",") if x]
+    if not overlap or not set(overlap) <= {"on", "off"}:
+        p.error(f"--overlap: expected a comma list of on and off, got {args.overlap!r}")
+    args.overlap = [x == "on" for x in overlap]
     args.sections = [s for s in args.sections.split(",") if s]
     if not set(args.sections) <= {"offline", "http"}:
         p.error(f"--sections: unknown section in {args.sections}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import bench_host
 
 
@@ -34,3 +36,10 @@ def test_gauges_parse_prometheus_text() -> None:
         "device_idle_share": 0.0125,
         "step_device_ms": 3.5,
     }
+
+
+@pytest.mark.parametrize("flag, value", [("--overlap", "both"), ("--overlap", ""), ("--sections", "both")])
+def test_a_bad_list_is_an_error_naming_the_flag(capsys, flag, value):
+    with pytest.raises(SystemExit):
+        bench_host.parse_args([flag, value])
+    assert flag in capsys.readouterr().err
