@@ -552,7 +552,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument(flag, type=typ, help=f"{text} (default {FULL_DEFAULTS[name]}; --quick {QUICK_DEFAULTS[name]})")
     p.add_argument("--inner", type=int, default=0, help="calls per timed run (0: auto, ~1 ms per run)")
     p.add_argument("--impls", help="comma list overriding the backend's default implementations")
-    p.add_argument("--sections", default="decode,prefill", help="decode, prefill or both")
+    p.add_argument("--sections", default="decode,prefill", help="sections to run, a comma list: decode, prefill")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny shapes and few iterations: a seconds-long run")
     p.add_argument("--out", help="write the results as JSON here")

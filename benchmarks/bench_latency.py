@@ -227,7 +227,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ]:
         name = flag[2:].replace("-", "_")
         p.add_argument(flag, type=typ, help=f"{text} (default {FULL_DEFAULTS[name]}; --quick {QUICK_DEFAULTS[name]})")
-    p.add_argument("--sections", default="prefill,decode", help="prefill, decode or both")
+    p.add_argument("--sections", default="prefill,decode", help="sections to run, a comma list: prefill, decode")
     p.add_argument("--block-size", type=int, default=16, help="KV page size")
     p.add_argument("--attn-impl", help="kernels_pallas impl (default: the dispatcher's choice)")
     p.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS, help="how steps run the layers")
