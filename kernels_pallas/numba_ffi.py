@@ -293,7 +293,15 @@ def register(name: str, build: Callable[[], Any], building: bool = False) -> Non
     with _register_lock:
         if name in _handlers:
             return
-        handler = Forwarder(name, build) if building else build()
+        handler = None
+        if building:
+            try:
+                handler = Forwarder(name, build)
+            except (ImportError, RuntimeError) as e:  # llvmlite missing, or an LLVM that rejects the IR: wait instead
+                _log.warning("cannot register a forwarder for %s (%s: %s); waiting for its build", name,
+                             type(e).__name__, e)  # fmt: skip
+        if handler is None:
+            handler = build()
         new_capsule = ctypes.pythonapi.PyCapsule_New
         new_capsule.restype = ctypes.py_object
         new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)

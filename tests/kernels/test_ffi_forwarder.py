@@ -160,3 +160,15 @@ def test_the_process_exits_with_a_call_still_queued(tmp_path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
     assert time.perf_counter() - start < 25, "waited for the build at exit"
+
+
+def test_where_no_forwarder_can_be_made_registration_waits_for_the_build(plus_one, monkeypatch, caplog):
+    def no_llvm(name, build):
+        raise RuntimeError("LLVM IR parsing error")
+
+    monkeypatch.setattr(numba_ffi, "Forwarder", no_llvm)
+    name = f"jaxinfer_test_forwarder_{next(_names)}"
+    numba_ffi.register(name, lambda: plus_one, building=True)
+    assert numba_ffi._handlers[name] is plus_one and "cannot register a forwarder" in caplog.text
+    fn = jax.jit(lambda x: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape, x.dtype))(x))
+    np.testing.assert_array_equal(np.asarray(fn(jnp.zeros(2, jnp.float32))), np.ones(2))
