@@ -34,7 +34,17 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.layers import Embed, GatedMLP, Linear, RMSNorm, apply_rope, project, rope_tables, soft_cap
+from jaxinfer.model.layers import (
+    Embed,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    abstract_params,
+    apply_rope,
+    project,
+    rope_tables,
+    soft_cap,
+)
 
 Params = nnx.State
 # (layer index, q f[B,T,H,Dh], k f[B,T,Hkv,Dh], v f[B,T,Hkv,Dh], layer cache) -> (out f[B,T,H,Dh], layer cache)
@@ -131,7 +141,12 @@ class Transformer(nnx.Module):
 @functools.lru_cache(maxsize=32)
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract state) of a family: shapes, dtypes and logical axes, no arrays allocated."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    with abstract_params():
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+    # A pytree round trip, as eval_shape's output made: it orders each Variable's metadata as jax's unflatten does,
+    # and the graphdef's repr (part of the executable cache's keys) shows that order. Without it, a start that
+    # restores the weights missed the entries a start that converted them had stored.
+    return nnx.split(jax.tree.map(lambda x: x, model))
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> Params:
