@@ -137,7 +137,8 @@ def prepare(impl: str | None, model_shape: Callable[[], tuple[int, Any, Any]]) -
 def finish_builds() -> None:
     """Loads the kernels that a trace registered while their builds (`prepare`) were still running, waiting for
     those builds; after it every compiled step runs at once (else the first one to call such a kernel waits for
-    it). Raises what a build raises. Nothing to do, and cheap, in every other case."""
+    it). Raises `numba_ffi.BuildFailed` for a build that fails in it (one that failed before is left to the kernel's
+    fallback). Nothing to do, and cheap, in every other case."""
     numba_ffi.finish_builds()
 
 
