@@ -11,8 +11,10 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 def __getattr__(name: str) -> Any:
     # Lazy, so that host-only modules (types, scheduler, tokenizer) can be imported without initialising jax.
     if name == "LLM":
-        from jaxinfer.llm import LLM
+        from jaxinfer.host_memory import gc_paused
 
+        with gc_paused():  # importing jax and flax makes ~200k objects that live as long as the process
+            from jaxinfer.llm import LLM
         return LLM
     if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
         from jaxinfer import types

@@ -13,6 +13,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxinfer.host_memory import gc_paused
+
 
 @dataclass
 class WarmupReport:
@@ -21,6 +23,7 @@ class WarmupReport:
     deferred: int = 0  # programs left to compile while the engine is idle (warm_up's `defer`)
 
 
+@gc_paused()  # loading or compiling every step allocates as the build does (see gc_paused)
 def warm_up(engine: Any, show: bool | None = None, prompt_logprobs: bool = False, defer: bool = False) -> WarmupReport:
     """Compiles every step bucket of every replica with a progress bar counting buckets (with `prompt_logprobs`
     also the variants that score prompt tokens). `show`: None = when stderr is a terminal. `defer`: the rarer

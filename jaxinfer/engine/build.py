@@ -17,7 +17,7 @@ from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import enable_compilation_cache
 from jaxinfer.engine.timeline import StepTimeline
-from jaxinfer.host_memory import release_freed_memory
+from jaxinfer.host_memory import gc_paused, release_freed_memory
 from jaxinfer.model.protocol import check_model, is_entry_point, load_entry_point
 from jaxinfer.model_files import resolve_model_path
 from jaxinfer.sharding import make_mesh, place_module
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 TIMELINE_WINDOW = 512  # steps the /metrics timeline gauges summarise
 
 
+@gc_paused()  # its objects live as long as the engine: automatic collections would only walk them
 def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokenizer]:
     """The engine and tokenizer for `args` (see EngineArgs for each setting). `device` raises
     `jaxinfer.device.DeviceUnavailableError` when jax initialised another backend; a user module that does not
