@@ -23,6 +23,7 @@ from jaxinfer.engine.build import build_engine
 from jaxinfer.engine.config import EngineArgs
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputAccumulator, OutputProcessor
+from jaxinfer.host_memory import heap_frozen
 from jaxinfer.model_files import DEFAULT_MODEL
 from jaxinfer.types import RequestOutput, SamplingParams
 
@@ -117,6 +118,7 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    @heap_frozen()  # the engine's and jax's objects out of full collections, which stalled the step loop
     def _run(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         wholes = {rid: OutputAccumulator() for rid in rids}  # the processor's outputs are deltas

@@ -111,3 +111,29 @@ def test_warm_up_runs_with_the_collector_paused(collector):
     warm_up(SimpleNamespace(runner=runner), show=False)
     assert seen == [(False, True)]
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_heap_frozen_freezes_without_pausing(collector):
+    from jaxinfer.host_memory import heap_frozen
+
+    gc.enable()
+    with heap_frozen():
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+        with gc_paused():  # inside it: one freeze, thawed by the outer block only
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_generate_runs_with_the_heap_frozen(tmp_path, monkeypatch, collector):
+    from jaxinfer import LLM, SamplingParams
+    from tests.tiny_model import SETTINGS
+
+    write_tiny_model(tmp_path / "tiny")
+    with LLM(str(tmp_path / "tiny"), **SETTINGS) as llm:
+        seen = []
+        step = llm.engine.step
+        monkeypatch.setattr(llm.engine, "step", lambda: seen.append(gc.get_freeze_count() > 0) or step())
+        llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert seen and all(seen)
+    assert gc.get_freeze_count() == 0
