@@ -16,8 +16,9 @@ from tests.tiny_model import write_tiny_model
 
 @pytest.fixture
 def collector():
-    """Leaves the collector as it found it, unfrozen, whatever a test did."""
+    """Starts unfrozen; leaves the collector as it found it, unfrozen, whatever a test did."""
     was = gc.isenabled()
+    gc.unfreeze()
     yield
     gc.unfreeze()
     (gc.enable if was else gc.disable)()

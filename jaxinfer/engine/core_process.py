@@ -32,7 +32,6 @@ Spawn re-imports the parent's main module in the child: a script that starts the
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import pickle
@@ -48,7 +47,7 @@ import msgpack
 import zmq
 
 from jaxinfer.engine.outbox import RESULTS_HWM, ResultsOutbox
-from jaxinfer.host_memory import gc_paused
+from jaxinfer.host_memory import freeze_for_good, gc_paused
 from jaxinfer.startup import compile_deferred, pending_compiles
 from jaxinfer.types import SamplingParams, SeqTiming, SeqUpdate
 
@@ -203,10 +202,7 @@ def run_core(args: dict, commands_addr: str, results_addr: str, parent_pid: int,
             outbox.message({"t": "failed", "type": type(e).__name__, "error": str(e)})
             code = 1
             return
-        # This process lives as long as the server, and so does nearly everything its start made (~310k objects
-        # for the default model). Frozen, they are out of every later full collection, each of which would otherwise
-        # walk them all and stall the step loop for ~170 ms. Garbage made from here on is collected as usual.
-        gc.freeze()
+        freeze_for_good()
         outbox.message({"t": "ready", **facts})
         try:
             EngineCore(engine, commands, outbox).run()
