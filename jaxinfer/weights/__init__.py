@@ -6,6 +6,7 @@ the dtype), so the second start restores instead of converting.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -134,14 +135,19 @@ def _locate(model: str | Path) -> tuple[Path, str]:
 
 def read_model_config(model: str | Path, dtype: str = "auto") -> ModelConfig:
     """The model's config as `load_weights(model, dtype)` reads it on one device, from its metadata alone (no tensor
-    is read: a GGUF file's `tie_word_embeddings`, which its tensors decide, is left at the default). Tens of ms, so
-    that a caller can start what depends on the model's shape (a kernel's build) while the weights load."""
+    is read: a GGUF file's `tie_word_embeddings`, which its tensors decide, is left at the default, unless a converted
+    copy in the default cache gives it, in ~1 ms instead of the header's ~60). Tens of ms at most, so that a caller
+    can start what depends on the model's shape (a kernel's build) while the weights load."""
     path, kind = _locate(model)
     dtype = resolve_dtype(dtype, jax.default_backend(), checkpoint_dtype(path) if dtype == "auto" else None)
     if kind == "checkpoint":
         return read_config(path, dtype)
     if kind == "hf":
         return read_hf_config(path, dtype)
+    cached = default_cache_dir() / _cache_key(path, dtype)
+    if is_checkpoint(cached):  # converted before (load_weights' cache): its config, without parsing the GGUF's header
+        with contextlib.suppress(CheckpointError):  # a damaged one: load_weights rebuilds it
+            return read_config(cached, dtype)
     return from_gguf_metadata(read_gguf(path, tensors=False).metadata, dtype=dtype)
 
 

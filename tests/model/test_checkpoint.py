@@ -94,9 +94,11 @@ def smol_converted(tmp_path_factory):
     return cache_dir, cfg, params
 
 
-def test_read_model_config_is_what_loading_reads(smol_converted, tmp_path):
+def test_read_model_config_is_what_loading_reads(smol_converted, tmp_path, monkeypatch):
     """The config read from metadata alone equals the loaded one for an HF directory, a checkpoint and a GGUF file
-    (whose tied output head, decided by its tensors, is the one field it leaves at the default)."""
+    (whose tied output head, decided by its tensors, is the one field it leaves at the default, unless the default
+    conversion cache holds the file's conversion: then that conversion's config, without reading the GGUF)."""
+    import jaxinfer.weights as weights
     from jaxinfer.model_files import smollm2_gguf
 
     build("qwen3", tmp_path / "hf")
@@ -105,8 +107,18 @@ def test_read_model_config_is_what_loading_reads(smol_converted, tmp_path):
         for dtype in ("auto", "bfloat16"):
             assert read_model_config(path, dtype) == load_weights(path, dtype)[0], (path, dtype)
     loaded = load_weights(smollm2_gguf(), cache_dir=smol_converted[0])[0]  # the module's conversion: no new one
+    monkeypatch.setattr(weights, "default_cache_dir", lambda: tmp_path / "empty")
     assert read_model_config(smollm2_gguf()) == loaded.replace(tie_word_embeddings=False)
     assert loaded.tie_word_embeddings
+
+    def no_header(*args, **kwargs):
+        raise AssertionError("read the GGUF's header")
+
+    monkeypatch.setattr(weights, "default_cache_dir", lambda: smol_converted[0])
+    monkeypatch.setattr(weights, "read_gguf", no_header)
+    assert read_model_config(smollm2_gguf()) == loaded
+    with pytest.raises(AssertionError, match="header"):  # no bfloat16 conversion in that cache: the header again
+        read_model_config(smollm2_gguf(), "bfloat16")
     with pytest.raises(FileNotFoundError):
         read_model_config(tmp_path / "missing.gguf")
 
