@@ -94,3 +94,10 @@ def test_http_process_engine_client_imports_no_kernel():
     """The HTTP process's client of the engine process, and the settings it validates with, load no jax."""
     loaded = _loaded_after_import(["jaxinfer.engine.mp_engine", "jaxinfer.engine.config", "jaxinfer.server.args"])
     assert "kernels_pallas" not in loaded and "jax" not in loaded
+
+
+def test_serve_py_imports_nothing_at_its_top_level():
+    """multiprocessing's spawn runs serve.py again in the engine's process (as `__mp_main__`): its top level must
+    not import the server (fastapi and the handlers, ~0.4 s of that process's start)."""
+    loaded = _loaded_after_import(["serve"])
+    assert not {"jaxinfer.cli", "jaxinfer.server", "fastapi", "uvicorn"} & loaded
