@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Imported here, not above: the engine's process (multiprocessing's spawn) runs this file again as
-    # `__mp_main__`, and the server's imports (fastapi and the handlers, ~0.4 s) would only delay its start.
+    # `__mp_main__`, where the CLI is not needed (see jaxinfer/server/__init__.py for why that matters).
     from jaxinfer.cli import main as cli_main
 
     return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])

@@ -101,3 +101,10 @@ def test_serve_py_imports_nothing_at_its_top_level():
     not import the server (fastapi and the handlers, ~0.4 s of that process's start)."""
     loaded = _loaded_after_import(["serve"])
     assert not {"jaxinfer.cli", "jaxinfer.server", "fastapi", "uvicorn"} & loaded
+
+
+def test_the_cli_imports_no_http_server():
+    """Nor may `jaxinfer.cli`, which the `jaxinfer serve` script imports at its top level, so spawn runs it again in
+    the engine's process: fastapi, uvicorn and the handlers load when the server starts."""
+    loaded = _loaded_after_import(["jaxinfer.cli"])
+    assert not {"jaxinfer.server.app", "fastapi", "uvicorn"} & loaded
