@@ -70,9 +70,6 @@ def _fill_missing_help(parser: argparse.ArgumentParser) -> None:
 
 def run_server(args: ServerArgs) -> int:
     """What `python serve.py` and `jaxinfer serve` run: the HTTP server, the model loading behind it."""
-    from jaxinfer.server.app import build_app
-    from jaxinfer.server.http import serve
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every restore step at info
@@ -87,7 +84,21 @@ def run_server(args: ServerArgs) -> int:
             engine, _ = build_engine(args)
             distributed.follow(engine.runner)
             return 0
-    return serve(build_app(args), args)
+    engine = None
+    if args.separate_engine_process:
+        # The engine's process first: its start (imports, weights, compiled steps) then overlaps the app's imports
+        # below (fastapi and the handlers, ~0.4 s), which it waited for when the app's lifespan started it.
+        from jaxinfer.engine.mp_engine import MPAsyncEngine
+
+        engine = MPAsyncEngine(args)
+    from jaxinfer.server.app import build_app
+    from jaxinfer.server.http import serve
+
+    try:
+        return serve(build_app(args, engine=engine), args)
+    finally:
+        if engine is not None:  # stopped already by the app's shutdown, unless the app never ran (a bad flag, a port
+            engine.shutdown()  # in use): then the process that loads for nobody is stopped here
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

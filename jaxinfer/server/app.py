@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +21,9 @@ from jaxinfer.server.state import Loader, ServerState
 from jaxinfer.server.tokenize import detokenize, tokenize
 from jaxinfer.server.tokenizer_info import router as tokenizer_info_router
 from jaxinfer.server.tracing import RequestTracer, otlp_tracer_provider
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.mp_engine import MPAsyncEngine
 
 
 def _context(request: Request) -> ServingContext:
@@ -96,12 +99,15 @@ def _api_routes() -> APIRouter:
     return router
 
 
-def build_app(args: ServerArgs, loader: Loader | None = None, tracer_provider: Any = None) -> FastAPI:
+def build_app(
+    args: ServerArgs, loader: Loader | None = None, tracer_provider: Any = None, engine: MPAsyncEngine | None = None
+) -> FastAPI:
     """The app. The model loads (`loader`, in this process; default: the real engine, in its own process unless
     --no-engine-process) on a background thread once the server starts: under `jaxinfer.server.http.serve` once
     it listens, under any other ASGI server at lifespan start-up. Raises KeyFileError for a bad --api-keys-file.
-    tracer_provider: an OpenTelemetry TracerProvider for request traces (default: --otlp-traces-endpoint's)."""
-    state = ServerState(args, loader)
+    tracer_provider: an OpenTelemetry TracerProvider for request traces (default: --otlp-traces-endpoint's).
+    engine: the engine's process (an MPAsyncEngine), started already."""
+    state = ServerState(args, loader, engine)
     if tracer_provider is None and args.otlp_traces_endpoint:
         tracer_provider = otlp_tracer_provider(args.otlp_traces_endpoint)
     ctx = ServingContext(

@@ -52,6 +52,12 @@ class ServerArgs(EngineArgs):
     def model_names(self) -> list[str]:
         return self.served_model_name or [self.model]
 
+    @property
+    def separate_engine_process(self) -> bool:
+        """Whether the real engine runs in a process of its own: unless --no-engine-process, or several hosts (the
+        lead's runner talks to the followers from the server's process)."""
+        return self.engine_process and self.num_processes == 1 and self.coordinator_address is None
+
 
 def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:

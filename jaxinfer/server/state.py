@@ -46,13 +46,13 @@ class Phase(enum.Enum):
 
 
 class ServerState:
-    def __init__(self, args: ServerArgs, loader: Loader | None = None):
+    def __init__(self, args: ServerArgs, loader: Loader | None = None, engine: MPAsyncEngine | None = None):
         """`loader` builds an in-process engine; None: the real one, in a process of its own unless
-        --no-engine-process (or several hosts) says otherwise."""
+        --no-engine-process (or several hosts) says otherwise. `engine`: that process, started already
+        (`jaxinfer.cli.run_server` starts it before it imports the app), which the loading then waits for instead
+        of starting one."""
         self.args = args
-        self.engine_process = (
-            loader is None and args.engine_process and args.num_processes == 1 and args.coordinator_address is None
-        )
+        self.engine_process = engine is not None or (loader is None and args.separate_engine_process)
         self._loader = loader or _build_engine
         self.phase = Phase.STARTING
         self.error: str | None = None
@@ -69,7 +69,7 @@ class ServerState:
         # Whether the app's lifespan starts the loading; DrainingServer clears it and starts it once listening.
         self.load_on_lifespan = True
         self._thread: threading.Thread | None = None
-        self._starting: MPAsyncEngine | None = None  # the engine process while it loads, so shutdown can stop it
+        self._starting: MPAsyncEngine | None = engine  # the engine process while it loads, so shutdown can stop it
         self._start_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------ lifetime
@@ -132,7 +132,8 @@ class ServerState:
         with self._start_lock:
             if self.phase is not Phase.STARTING:
                 return
-            engine = self._starting = MPAsyncEngine(self.args, on_death=self._engine_died)
+            engine = self._starting = self._starting or MPAsyncEngine(self.args)
+            engine.on_death = self._engine_died
         engine.wait_ready()  # the core process loads the model and compiles its steps
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -289,6 +290,21 @@ def test_killed_server_takes_its_core_along(tiny_model, tmp_path):
         _wait_gone(pid, 10)
     finally:
         srv.stop()
+
+
+def test_a_server_that_cannot_listen_stops_its_core(tiny_model, tmp_path):
+    """The core starts before the app is built (its start overlaps the app's imports): a server that then cannot
+    listen (its port taken) exits with an error and stops that core, rather than leaving it loading for nobody."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        srv = _start(tiny_model, tmp_path / "server.log", "--port", str(taken.getsockname()[1]))
+        try:
+            pid = _core_pid(srv)
+            assert srv.proc.wait(120) != 0, srv.log_tail()
+            _wait_gone(pid, 30)
+        finally:
+            srv.stop()
 
 
 class _FailingEngine(FakeEngine):
