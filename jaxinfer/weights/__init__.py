@@ -146,7 +146,7 @@ def read_model_config(model: str | Path, dtype: str = "auto") -> ModelConfig:
         return read_hf_config(path, dtype)
     cached = default_cache_dir() / _cache_key(path, dtype)
     if is_checkpoint(cached):  # converted before (load_weights' cache): its config, without parsing the GGUF's header
-        with contextlib.suppress(CheckpointError):  # a damaged one: load_weights rebuilds it
+        with contextlib.suppress(CheckpointError, ValueError):  # a damaged one, which load_weights rebuilds
             return read_config(cached, dtype)
     return from_gguf_metadata(read_gguf(path, tensors=False).metadata, dtype=dtype)
 
