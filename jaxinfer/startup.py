@@ -20,14 +20,14 @@ from jaxinfer.host_memory import gc_paused
 class WarmupReport:
     seconds: float
     buckets: int  # compiled step programs (shape buckets x sampling variants), over every replica
-    deferred: int = 0  # programs left to compile while the engine is idle (warm_up's `defer`)
+    deferred: int = 0  # programs left to load or compile while the engine is idle (warm_up's `defer`)
 
 
 @gc_paused()  # loading or compiling every step allocates as the build does (see gc_paused)
 def warm_up(engine: Any, show: bool | None = None, prompt_logprobs: bool = False, defer: bool = False) -> WarmupReport:
     """Compiles every step bucket of every replica with a progress bar counting buckets (with `prompt_logprobs`
     also the variants that score prompt tokens). `show`: None = when stderr is a terminal. `defer`: the rarer
-    variants the executable cache lacks are left for `compile_deferred` (see `ModelRunner.warmup`)."""
+    variants are left for `compile_deferred` to load or compile (see `ModelRunner.warmup`)."""
     replicas = getattr(engine, "replicas", [engine])
     t0 = time.perf_counter()
     compiled = 0
@@ -105,7 +105,7 @@ def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s:
             "buckets",
             f"{warm.buckets} compiled in {warm.seconds:.1f}s (decode batch {runner.seq_buckets}, "
             f"mixed tokens {runner.token_buckets})"
-            + (f"; {warm.deferred} rarer variants compile while idle" if warm.deferred else ""),
+            + (f"; {warm.deferred} rarer variants load or compile while idle" if warm.deferred else ""),
         ),  # fmt: skip
         ("load", f"{load_s:.1f}s (weights, KV pool)"),
     ]

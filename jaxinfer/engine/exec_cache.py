@@ -182,10 +182,6 @@ class ExecutableCache:
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.exec"
 
-    def holds(self, dynamic: Mapping[str, Any], static: Mapping[str, Any], extra: Any = None) -> bool:
-        """Whether this program's entry is stored: loading it takes milliseconds where compiling takes seconds."""
-        return self.path(entry_key(dynamic, static, extra)).exists()
-
     def load_or_compile(
         self, jitted: Callable, dynamic: Mapping[str, Any], static: Mapping[str, Any], extra: Any = None
     ) -> Callable:

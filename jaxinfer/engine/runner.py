@@ -477,11 +477,6 @@ class ModelRunner:
         flat, layout = to_flat(self.padding_inputs(adv, t, s))
         return self._dynamic(flat), layout, decode_only, adv, plp
 
-    def _stored(self, combo: tuple) -> bool:
-        """Whether the executable cache holds this combo's program (a warm start loads it in milliseconds)."""
-        dynamic, layout, decode_only, adv, plp = self._combo_args(combo)
-        return self.exec_cache.holds(dynamic, self.step_static(layout, decode_only, adv, plp), self._cache_extra)
-
     def step_static(self, layout: Layout, decode_only: bool, advanced: bool, prompt_lp: bool) -> dict:
         """`paged_step`'s static arguments for this runner and these shapes and flags."""
         return dict(
@@ -512,10 +507,10 @@ class ModelRunner:
         `progress(done, total)` is called after each bucket compiles.
 
         `defer` (the server's engine core): the variants a plain request never selects (advanced sampling, prompt
-        logprobs) that the executable cache does not hold yet are not compiled now but left in `deferred`, for
-        `compile_deferred` to compile one at a time while the engine is idle. A cold start is then ready once the
-        plain buckets compile (11 of the default server's 32 programs); a warm start loads all of them as before.
-        A step that needs a deferred program before then compiles it when it runs, as a lazy engine does."""
+        logprobs) are not loaded or compiled now but left in `deferred`, for `compile_deferred` to load (the
+        executable cache holds them: tens of ms each) or compile one at a time while the engine is idle. A start is
+        then ready once the plain buckets are (11 of the default server's 32 programs). A step that needs a deferred
+        program before then loads or compiles it when it runs, as a lazy engine does."""
         t0 = time.perf_counter()
         shapes = [(True, s, s) for s in self.seq_buckets] + [
             (False, t, self.cc.max_num_seqs) for t in self.token_buckets
@@ -530,7 +525,7 @@ class ModelRunner:
 
         if self.caches_executables and self.followers is None:
             if defer:
-                now = [c for c in combos if not (c[0] or c[1]) or self._stored(c)]
+                now = [c for c in combos if not (c[0] or c[1])]
                 self.deferred = [c for c in combos if c not in now]
                 combos = now
 
@@ -563,8 +558,8 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     def compile_deferred(self) -> int:
-        """Compiles (and stores) the next program `warmup(defer=True)` left, unless a step compiled it already;
-        returns how many are left."""
+        """Loads (from the executable cache) or compiles (and stores) the next program `warmup(defer=True)` left,
+        unless a step did already; returns how many are left."""
         if self.deferred:
             self._executable(*self._combo_args(self.deferred.pop(0)))
             if not self.deferred:
