@@ -564,5 +564,5 @@ class ModelRunner:
             self._executable(*self._combo_args(self.deferred.pop(0)))
             if not self.deferred:
                 release_freed_memory()  # the compilers' temporaries, as after warm-up
-                log.info("every step variant is compiled")
+                log.info("every step variant is ready")
         return len(self.deferred)

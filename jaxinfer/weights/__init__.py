@@ -50,6 +50,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer")) / "converted"
 
 
+def _conversion_path(path: Path, dtype: str, cache_dir: Path | None = None) -> Path:
+    """Where `load_weights` keeps (and `read_model_config` looks for) the conversion of GGUF file `path` to dtype."""
+    return (cache_dir or default_cache_dir()) / _cache_key(path, dtype)
+
+
 def _cache_key(path: Path, dtype: str) -> str:
     st = path.stat()
     # The checkpoint format is part of the key: caches are shared by every jaxinfer on the machine, and one
@@ -97,7 +102,7 @@ def load_weights(
     if not use_cache:
         cfg, params = load_gguf(path, dtype, mesh)
         return cfg, params, path
-    cached = (cache_dir or default_cache_dir()) / _cache_key(path, dtype)
+    cached = _conversion_path(path, dtype, cache_dir)
     if not is_checkpoint(cached):
         cfg, params = load_gguf(path, dtype)
         try:
@@ -144,7 +149,7 @@ def read_model_config(model: str | Path, dtype: str = "auto") -> ModelConfig:
         return read_config(path, dtype)
     if kind == "hf":
         return read_hf_config(path, dtype)
-    cached = default_cache_dir() / _cache_key(path, dtype)
+    cached = _conversion_path(path, dtype)
     if is_checkpoint(cached):  # converted before (load_weights' cache): its config, without parsing the GGUF's header
         with contextlib.suppress(CheckpointError, ValueError):  # a damaged one, which load_weights rebuilds
             return read_config(cached, dtype)
