@@ -162,12 +162,25 @@ def bench_prefill(engine: Any, length: int, args: argparse.Namespace, rng: np.ra
     c0 = compile_count()
     bare_first, bare_s, bare_samples = time_calls(bare_step(engine, calls[-1]), args.warmup, args.iters)
     bare_compiles = compile_count() - c0
+    trace = record_trace(engine, calls[-1], args, f"prefill_t{length}")
     _, t, _ = engine.runner.bucket_for(1, length)
     return dict(
         tokens=length, bucket_tokens=t, engine_s=eng_s, engine_min_s=min(eng_samples), bare_s=bare_s,
         bare_min_s=min(bare_samples), first_s=first, bare_first_s=bare_first, bare_compiles=bare_compiles,
-        host_frac=(eng_s - bare_s) / eng_s, host_frac_min=1 - min(bare_samples) / min(eng_samples),
+        host_frac=(eng_s - bare_s) / eng_s, host_frac_min=1 - min(bare_samples) / min(eng_samples), trace=trace,
     )  # fmt: skip
+
+
+def record_trace(engine: Any, call: Any, args: argparse.Namespace, name: str) -> dict | None:
+    """With --trace: records the bare step's profile under DIR/name and prints where its time goes."""
+    if not args.trace:
+        return None
+    from benchmarks import trace_table
+
+    path = trace_table.record(bare_step(engine, call), args.iters, str(Path(args.trace) / name))
+    text, trace = trace_table.table(path, args.iters) if path else ("(the profiler wrote no trace)", {})
+    print(f"{name}, where the bare step's time goes:\n{text}", flush=True)
+    return trace
 
 
 def bench_decode(engine: Any, batch: int, args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
@@ -193,14 +206,7 @@ def bench_decode(engine: Any, batch: int, args: argparse.Namespace, rng: np.rand
     c0 = compile_count()
     bare_first, bare_s, bare_samples = time_calls(bare_step(engine, calls[-1]), args.warmup, args.iters)
     bare_compiles = compile_count() - c0
-    trace = None
-    if args.trace:
-        from benchmarks import trace_table
-
-        trace_dir = str(Path(args.trace) / f"decode_b{batch}")
-        path = trace_table.record(bare_step(engine, calls[-1]), args.iters, trace_dir)
-        text, trace = trace_table.table(path, args.iters) if path else ("(the profiler wrote no trace)", {})
-        print(f"decode B={batch}, where the bare step's time goes:\n{text}", flush=True)
+    trace = record_trace(engine, calls[-1], args, f"decode_b{batch}")
     for rid in rids:
         engine.abort(rid)
     _, _, s = engine.runner.bucket_for(batch, batch)
@@ -232,7 +238,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--attn-impl", help="kernels_pallas impl (default: the dispatcher's choice)")
     p.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS, help="how steps run the layers")
     roofline.add_peak_flags(p)
-    p.add_argument("--trace", help="decode: record a profiler trace of the bare step here and table its kernels")
+    p.add_argument("--trace", help="record a profiler trace of each bare step here and table its kernels")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny grid and few iterations: a seconds-long run")
     p.add_argument("--out", help="write the results as JSON here (and the plot beside it, .png)")

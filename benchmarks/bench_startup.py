@@ -48,7 +48,7 @@ def start_once(serve_args: list[str], env: dict[str, str], log: Path, timeout: f
         return float(m.group(1)) if m else None
 
     buckets = re.search(r"buckets\s+(\d+) compiled", text)
-    deferred = re.search(r"(\d+) rarer variants load or compile while idle", text)
+    deferred = re.search(r"(\d+) more variants load or compile while idle", text)
     return {
         "ready_s": round(ready, 2),
         "all_s": round(all_compiled, 2),

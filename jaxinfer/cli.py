@@ -111,8 +111,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         formatter_class=DefaultsFormatter,
         help="serve a model with the OpenAI-compatible API",
         description="OpenAI-compatible HTTP server. `jaxinfer serve MODEL` is `--model MODEL`; /health answers 503"
-        " until the model is loaded and its step buckets are compiled, then 200 (the rarer sampling variants are"
-        " compiled, or loaded from the cache, afterwards while the engine is idle).",
+        " until the model is loaded and its step buckets are compiled, then 200 (the mixed steps of few rows and the"
+        " rarer sampling variants are compiled, or loaded from the cache, afterwards while the engine is idle).",
         usage="jaxinfer serve [MODEL] [options]",
     )
     p.add_argument(

@@ -26,8 +26,9 @@ class WarmupReport:
 @gc_paused()  # loading or compiling every step allocates as the build does (see gc_paused)
 def warm_up(engine: Any, show: bool | None = None, prompt_logprobs: bool = False, defer: bool = False) -> WarmupReport:
     """Compiles every step bucket of every replica with a progress bar counting buckets (with `prompt_logprobs`
-    also the variants that score prompt tokens). `show`: None = when stderr is a terminal. `defer`: the rarer
-    variants are left for `compile_deferred` to load or compile (see `ModelRunner.warmup`)."""
+    also the variants that score prompt tokens). `show`: None = when stderr is a terminal. `defer`: the fewer-row
+    mixed steps and the rarer sampling variants are left for `compile_deferred` to load or compile (see
+    `ModelRunner.warmup`)."""
     replicas = getattr(engine, "replicas", [engine])
     t0 = time.perf_counter()
     compiled = 0
@@ -104,8 +105,8 @@ def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s:
         (
             "buckets",
             f"{warm.buckets} compiled in {warm.seconds:.1f}s (decode batch {runner.seq_buckets}, "
-            f"mixed tokens {runner.token_buckets})"
-            + (f"; {warm.deferred} rarer variants load or compile while idle" if warm.deferred else ""),
+            f"mixed tokens {runner.token_buckets} on rows {runner.buckets.mixed_seq_buckets})"
+            + (f"; {warm.deferred} more variants load or compile while idle" if warm.deferred else ""),
         ),  # fmt: skip
         ("load", f"{load_s:.1f}s (weights, KV pool)"),
     ]

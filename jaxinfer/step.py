@@ -57,29 +57,40 @@ def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class BucketTable:
-    """The shapes a runner compiles. decode: S (= T) rows; mixed: T tokens over `max_num_seqs` rows."""
+    """The shapes a runner compiles. decode: S (= T) rows; mixed: T tokens over S rows, S one of `mixed_rows(T)`."""
 
     seq_buckets: tuple[int, ...]
     token_buckets: tuple[int, ...]
+    mixed_seq_buckets: tuple[int, ...]  # rows of a mixed step before the cap at T; the last is max_num_seqs
+
+    def mixed_rows(self, num_tokens: int) -> tuple[int, ...]:
+        """The row counts the mixed step of token bucket `num_tokens` compiles for, ascending: a step holds at
+        most one sequence per token, so no row count passes T."""
+        return tuple(sorted({min(s, num_tokens) for s in self.mixed_seq_buckets}))
 
 
-# Per backend: (extra small decode batches, smallest power-of-two decode batch, smallest token bucket). CPU: a
-# single stream decodes at batch 1 (a padded row costs its full share of the attention and sampler there; 2-7 rows
-# cost about what 8 do, the step being bound by reading the weights). Each bucket is one more compile at start-up.
-BUCKET_TABLE: dict[str, tuple[tuple[int, ...], int, int]] = {
-    "cpu": ((1,), 8, 32),
-    "gpu": ((), 8, 32),
-    "tpu": ((), 8, 32),
+# Per backend: (extra small decode batches, smallest power-of-two decode batch, smallest token bucket, smaller row
+# counts of a mixed step). CPU: a single stream decodes at batch 1 (a padded row costs its full share of the attention
+# and sampler there; 2-7 rows cost about what 8 do, the step being bound by reading the weights). A mixed step of up
+# to 8 sequences (a prompt arriving while few others decode) runs on 8 rows instead of max_num_seqs: the LM head and
+# sampler of 128 rows were 20 ms of a 32-token prompt's 55 ms step on 2 cores (benchmarks/README.md). Accelerators
+# run the LM head of 128 rows at the pace of reading its weights, so they compile no smaller mixed step. Each bucket
+# is one more compile (the server compiles the smaller mixed steps while idle).
+BUCKET_TABLE: dict[str, tuple[tuple[int, ...], int, int, tuple[int, ...]]] = {
+    "cpu": ((1,), 8, 32, (8,)),
+    "gpu": ((), 8, 32, ()),
+    "tpu": ((), 8, 32, ()),
 }
 
 
 def bucket_table(backend: str, max_num_seqs: int, max_num_batched_tokens: int) -> BucketTable:
     """The bucket sets for this backend (an unknown backend gets the GPU row)."""
-    seq_extra, seq_lo, tok_lo = BUCKET_TABLE.get(backend, BUCKET_TABLE["gpu"])
+    seq_extra, seq_lo, tok_lo, mixed_small = BUCKET_TABLE.get(backend, BUCKET_TABLE["gpu"])
     seqs = power_of_two_buckets(min(seq_lo, max_num_seqs), max_num_seqs)
     return BucketTable(
         tuple(sorted({*(b for b in seq_extra if b < seqs[0]), *seqs})),
         power_of_two_buckets(min(tok_lo, max_num_batched_tokens), max_num_batched_tokens),
+        tuple(sorted({*(b for b in mixed_small if b < max_num_seqs), max_num_seqs})),
     )
 
 

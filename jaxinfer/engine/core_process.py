@@ -232,8 +232,9 @@ def _build(args: dict) -> tuple[Any, Any]:
     t0 = time.perf_counter()
     engine, tokenizer = build_engine(EngineArgs.from_mapping(args))
     load_s = time.perf_counter() - t0
-    # Every program variant a request can select, prompt logprobs (echo + logprobs) included: the plain ones now,
-    # and on a cold start the rarer ones while the core is idle (EngineCore.run), so the server is ready sooner.
+    # Every program variant a request can select, prompt logprobs (echo + logprobs) included: the plain ones of the
+    # most rows now, the fewer-row mixed steps and the rarer ones while the core is idle (EngineCore.run), so the
+    # server is ready sooner.
     warm = warm_up(engine, prompt_logprobs=True, defer=True)
     log.info("compiled steps warmed up in %.1fs", warm.seconds)
     # Time to ready counts from the API server's start (our parent), as the user sees it.

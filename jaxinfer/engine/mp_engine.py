@@ -64,7 +64,7 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     compiles: int = 0  # XLA compilations in the engine process so far
-    pending_compiles: int = 0  # step programs left to compile while the core is idle (a cold start's rarer ones)
+    pending_compiles: int = 0  # step programs left to compile while the core is idle (fewer-row mixed steps, rarer)
     cache: dict = dataclasses.field(default_factory=dict)  # Engine.cache_stats(): sessions, host tier
     idle_share: float | None = None  # the step timeline's (--step-timeline), over its recent steps
     device_ms: float | None = None

@@ -393,14 +393,24 @@ class ModelRunner:
     def num_kv_tokens(self) -> int:
         return self.num_pages * self.cc.block_size
 
-    def bucket_for(self, num_seqs: int, num_tokens: int, prompt_logprobs: bool = False) -> tuple[bool, int, int]:
+    def bucket_for(
+        self, num_seqs: int, num_tokens: int, prompt_logprobs: bool = False, advanced: bool = False
+    ) -> tuple[bool, int, int]:
         """(decode_only, T, S) of the compiled step that serves this batch. A step that scores prompt tokens is a
         mixed one even when every row brings one token (a prompt's last chunk of one): the variants that score
-        prompt tokens exist for the mixed buckets only, 12 programs fewer to compile at start-up."""
+        prompt tokens exist for the mixed buckets only, 12 programs fewer to compile at start-up. A mixed step runs
+        on the fewest rows its token bucket compiles for (`BucketTable.mixed_rows`), except with the rarer sampling
+        variants (`advanced`, prompt logprobs), which exist for the most rows only, and while warm-up's deferred
+        list still holds the fewer-row program: its most-rows twin is compiled."""
         if num_tokens == num_seqs and not prompt_logprobs:
             s = pick_bucket(num_seqs, self.seq_buckets)
             return True, s, s
-        return False, pick_bucket(num_tokens, self.token_buckets), self.cc.max_num_seqs
+        t = pick_bucket(num_tokens, self.token_buckets)
+        rows = self.buckets.mixed_rows(t)
+        s = pick_bucket(num_seqs, rows)
+        if advanced or prompt_logprobs or (False, False, False, t, s) in self.deferred:
+            s = rows[-1]
+        return False, t, s
 
     def dispatch(
         self, chunks: list, rows: list[RowSampling], prompt_logprobs: bool = False, host_start: float | None = None
@@ -408,9 +418,9 @@ class ModelRunner:
         """Starts one step over SeqChunks with one RowSampling each; returns without waiting for the device
         (a pending handle for `collect`). `host_start`: when the caller began preparing the step (timeline)."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
-        decode_only, t, s = self.bucket_for(len(chunks), num_tokens, prompt_logprobs)
-        inp = self.packer.pack(chunks, t, s)
         advanced = needs_advanced(rows)
+        decode_only, t, s = self.bucket_for(len(chunks), num_tokens, prompt_logprobs, advanced)
+        inp = self.packer.pack(chunks, t, s)
         st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
         out, prompt_lp = self.launch(inp, st, decode_only, advanced, prompt_logprobs)
         if self.timeline is not None:
@@ -506,26 +516,31 @@ class ModelRunner:
         where that cache is off, by running all-padding steps, which write nothing. Returns the seconds taken.
         `progress(done, total)` is called after each bucket compiles.
 
-        `defer` (the server's engine core): the variants a plain request never selects (advanced sampling, prompt
-        logprobs) are not loaded or compiled now but left in `deferred`, for `compile_deferred` to load (the
-        executable cache holds them: tens of ms each) or compile one at a time while the engine is idle. A start is
-        then ready once the plain buckets are (11 of the default server's 32 programs). A step that needs a deferred
-        program before then loads or compiles it when it runs, as a lazy engine does."""
+        `defer` (the server's engine core): the mixed steps of fewer rows (which only save time) and the variants a
+        plain request never selects (advanced sampling, prompt logprobs) are not loaded or compiled now but left in
+        `deferred`, for `compile_deferred` to load (the executable cache holds them: tens of ms each) or compile one
+        at a time while the engine is idle. A start is then ready once the plain buckets of the most rows are (11
+        of the default CPU server's 37 programs). Until then a mixed step of few sequences runs on the most rows; a
+        step that needs a deferred sampling variant loads or compiles it when it runs, as a lazy engine does."""
         t0 = time.perf_counter()
         shapes = [(True, s, s) for s in self.seq_buckets] + [
-            (False, t, self.cc.max_num_seqs) for t in self.token_buckets
+            (False, t, s) for t in self.token_buckets for s in self.buckets.mixed_rows(t)
         ]
+        most_rows = {(True, s, s) for s in self.seq_buckets} | {
+            (False, t, self.buckets.mixed_rows(t)[-1]) for t in self.token_buckets
+        }
         combos = [
             (adv, plp, *shape)
             for adv in ((False, True) if advanced else (False,))
             for plp in ((False, True) if prompt_logprobs else (False,))
             for shape in shapes
-            if not (plp and shape[0])  # prompt tokens are scored in mixed steps only (bucket_for)
+            # prompt tokens are scored in mixed steps only; the rarer variants run on the most rows (bucket_for)
+            if not (plp and shape[0]) and (shape in most_rows or not (adv or plp))
         ]
 
         if self.caches_executables and self.followers is None:
-            if defer:
-                now = [c for c in combos if not (c[0] or c[1])]
+            if defer:  # ready on the plain programs of the most rows; the fewer-row mixed steps are deferred first
+                now = [c for c in combos if not (c[0] or c[1]) and c[2:] in most_rows]
                 self.deferred = [c for c in combos if c not in now]
                 combos = now
 

@@ -60,3 +60,21 @@ def test_plain_engine_args_take_the_backends_batch_limits():
     assert (cc.max_num_seqs, cc.max_num_batched_tokens) == BATCH_DEFAULTS[jax.default_backend()]
     cc = cache_config(EngineArgs(max_num_seqs=3, max_num_batched_tokens=40), cfg)
     assert (cc.max_num_seqs, cc.max_num_batched_tokens) == (3, 40)
+
+
+@pytest.mark.parametrize("max_seqs, max_tokens", [(128, 512), (16, 32), (4, 16), (3, 40)])
+def test_mixed_steps_take_fewer_rows_on_cpu_only_and_never_more_than_tokens(max_seqs, max_tokens):
+    cpu, gpu = bucket_table("cpu", max_seqs, max_tokens), bucket_table("gpu", max_seqs, max_tokens)
+    assert cpu.mixed_seq_buckets == ((8, max_seqs) if max_seqs > 8 else (max_seqs,))
+    assert gpu.mixed_seq_buckets == (max_seqs,)
+    for b in (cpu, gpu):
+        for t in b.token_buckets:
+            rows = b.mixed_rows(t)
+            assert rows[-1] == min(max_seqs, t) and list(rows) == sorted(set(rows))
+            # a mixed step of T tokens holds at most T sequences (and the engine's max_num_seqs)
+            assert all(pick_bucket(n, rows) >= n for n in range(1, min(max_seqs, t) + 1))
+
+
+def test_default_cpu_mixed_rows():
+    b = bucket_table("cpu", max_num_seqs=128, max_num_batched_tokens=512)
+    assert [b.mixed_rows(t) for t in b.token_buckets] == [(8, 32), (8, 64), (8, 128), (8, 128), (8, 128)]
