@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -42,6 +44,13 @@ def _require_api_key(request: Request) -> None:
     request.state.api_key = key
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxinfer")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def _open_routes() -> APIRouter:
     """Probes and monitoring: no API key, as load balancers and Prometheus bring none."""
     router = APIRouter()
@@ -50,6 +59,10 @@ def _open_routes() -> APIRouter:
     async def health(request: Request) -> Response:
         err = _context(request).state.unavailable()
         return err.response() if err else JSONResponse({"status": "ok"})
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": _version()})
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -62,23 +75,30 @@ def _open_routes() -> APIRouter:
 def _api_routes() -> APIRouter:
     router = APIRouter(dependencies=[Depends(_require_api_key)])
 
+    def card(ctx: ServingContext, name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "jaxinfer",
+            "root": ctx.args.model,
+            "parent": None,
+            "max_model_len": ctx.state.max_model_len,
+        }  # fmt: skip
+
     @router.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         ctx = _context(request)
         ctx.state.require_ready()
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": ctx.created,
-                "owned_by": "jaxinfer",
-                "root": ctx.args.model,
-                "parent": None,
-                "max_model_len": ctx.state.max_model_len,
-            }  # fmt: skip
-            for name in ctx.args.model_names
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [card(ctx, name) for name in ctx.args.model_names]})
+
+    @router.get("/v1/models/{model_id:path}")  # path: served names may hold slashes ("org/model")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        ctx = _context(request)
+        ctx.state.require_ready()
+        if model_id not in ctx.args.model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model", "model_not_found")
+        return JSONResponse(card(ctx, model_id))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -131,6 +151,9 @@ def build_app(
     app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     install_handlers(app, on_error=on_error)
+    if args.allowed_origins:  # browsers' preflight (OPTIONS) and CORS headers, before the API-key check
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])  # fmt: skip
     app.include_router(_open_routes())
     app.include_router(_api_routes())
     app.include_router(tokenizer_info_router(), dependencies=[Depends(_require_api_key)])

@@ -21,6 +21,8 @@ class ServerArgs(EngineArgs):
     served_model_name: list[str] = field(default_factory=list)  # empty: the --model string
     host: str = "127.0.0.1"
     port: int = 8000
+    # Origins a browser may call the API from (CORS); ["*"]: any, as vLLM's and llama.cpp's servers allow; []: none.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     api_key: str | None = None
     api_keys_file: str | None = None  # JSON Lines of keys with limits (jaxinfer.server.keys), reloaded on SIGHUP
     access_log: bool = True
@@ -221,6 +223,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default=D.host)
     p.add_argument("--port", type=int, default=D.port)
+    p.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=["*"],
+        metavar="ORIGIN",
+        help="origins a web page may call the API from (CORS headers; '*': any); with no value, none",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or D.api_key,

@@ -7,6 +7,7 @@ field errors each get their own clear message (FastAPI would answer 422 in its o
 from __future__ import annotations
 
 import json
+import re
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -52,13 +53,41 @@ def parse_json(raw: bytes) -> object:
         raise bad_request("request body is empty; expected a JSON object")
     try:
         # parse_constant: Python's json would otherwise accept NaN and Infinity, which JSON does not have.
-        return json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
     except ValueError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise bad_request("request body is nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(text):  # only an escape can put one in: the text itself decoded as UTF-8
+        _reject_lone_surrogates(data, [])
+    return data
+
+
+# JSON's \uXXXX escapes may spell half of a UTF-16 pair (a client that cut a string inside an emoji). Python's json
+# keeps the lone half as a surrogate code point, which no UTF-8 encoder takes: the tokenizer, the engine's messages
+# and the response would each fail on it (a 500, or a stream cut short).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _reject_lone_surrogates(value: object, path: list) -> None:
+    """400 naming the first string (or key) that holds a lone surrogate; a valid pair decodes to one code point."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            param = ".".join(map(str, path)) or None
+            where = f"{param}: " if param else ""
+            raise bad_request(f"{where}text holds a lone UTF-16 surrogate (half of a \\uXXXX pair); it is not "
+                              "valid Unicode", param) from None  # fmt: skip
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _reject_lone_surrogates(key, path)
+            _reject_lone_surrogates(item, [*path, key])
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _reject_lone_surrogates(item, [*path, i])
 
 
 def _loc(loc: tuple) -> str:
@@ -71,14 +100,30 @@ def _loc(loc: tuple) -> str:
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-plain"}
 
 
+def _union_member(loc: tuple) -> int | None:
+    """The index in `loc` of the union member pydantic tried (a type name such as "str" or "list[int]"), if any."""
+    return next((i for i, p in enumerate(loc) if isinstance(p, str) and ("[" in p or p in _TYPE_NAMES)), None)
+
+
 def validation_error(e: ValidationError) -> APIError:
     errors = e.errors()
-    err = errors[0]
+    # An unknown field is the most specific thing to say, even where a union tried another member first (a content
+    # part with a field we do not know also fails to be a string).
+    err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
     param = _loc(err["loc"]) or None
     if err["type"] == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if err["type"] == "missing":
         return bad_request(f"missing required parameter: {param}", param)
+    # A value no member of its field's union took (prompt: [1, "a"]) reports one error per member, each about a
+    # different part of it: name the field and its accepted types rather than the first member's complaint.
+    at = _union_member(err["loc"])
+    if at is not None:
+        field = err["loc"][:at]
+        members = list(dict.fromkeys(x["loc"][at] for x in errors if x["loc"][:at] == field and len(x["loc"]) > at))
+        if len(members) > 1:
+            param = _loc(field) or None
+            return bad_request(f"{param}: expected one of the accepted types ({', '.join(members)})", param)
     # A field with several accepted types reports one error per type; say them together.
     same = list(dict.fromkeys(x["msg"] for x in errors if (_loc(x["loc"]) or None) == param))
     detail = same[0] if len(same) == 1 else "expected one of the accepted types (" + "; ".join(same) + ")"

@@ -30,6 +30,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         raise bad_request("messages must hold at least one message", "messages")
     convo = []
     for i, m in enumerate(messages):
+        for name in m.unsupported_fields():
+            raise bad_request(f"messages.{i}.{name} is not supported by this server", f"messages.{i}.{name}",
+                              "unsupported_parameter")  # fmt: skip
         try:
             content = m.text()
         except ValueError as e:

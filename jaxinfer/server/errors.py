@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from http import HTTPStatus
@@ -41,7 +42,15 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer", **self.headers} if self.status == 401 else self.headers
-        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+        return _ErrorResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+class _ErrorResponse(JSONResponse):
+    """An error's JSON in ASCII (\\u escapes): a message that quotes the client's input (a model name, a stop
+    string) must render whatever that input holds, a lone surrogate included, which UTF-8 cannot encode."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

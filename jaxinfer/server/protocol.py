@@ -2,14 +2,27 @@
 
 Every model forbids unknown fields: a parameter we do not know is an error, never silently ignored. Parameters
 OpenAI defines but this server does not implement are declared (typed `Any`) so that the error can say so:
-`unsupported_fields` lists the ones a request set to anything but their "not used" value in `_NOT_USED`.
+`unsupported_fields` lists the ones a request (or a chat message) set to anything but their "not used" value in
+`_NOT_USED`. A null is "not set", as in OpenAI's API (`_Strict._null_means_default`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+@functools.cache
+def _defaulted_on_null(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that have a default and whose type does not take None."""
+    return frozenset(
+        name
+        for name, field in model.model_fields.items()
+        if not field.is_required() and field.annotation is not Any and type(None) not in get_args(field.annotation)
+    )
+
 
 # The OpenAI fields this server knows but does not implement, with the value that means "not used".
 _NOT_USED: dict[str, tuple[Any, ...]] = {
@@ -29,12 +42,32 @@ _NOT_USED: dict[str, tuple[Any, ...]] = {
     "metadata": (None,),
     "web_search_options": (None,),
     "response_format": (None, {"type": "text"}),
+    # a chat message's (history written by a server that has them)
+    "tool_calls": (None, []),
+    "refusal": (None,),
 }
 
 
 class _Strict(BaseModel):
     # strict: "1" is not a number and 1 is not a bool, as in OpenAI's own API.
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's API reads null as "not set" for its optional fields, and clients that write every field send
+        it (`"n": null`, `"stream": null`). A field whose type has no None of its own takes its default then; one
+        that has one keeps it, since there null may mean something else than absent (completions' `max_tokens`:
+        null is the rest of the context, absent is 16). A required field stays required."""
+        if not isinstance(data, dict):
+            return data
+        drop = _defaulted_on_null(cls)
+        return {k: v for k, v in data.items() if not (v is None and k in drop)}
+
+    def unsupported_fields(self) -> list[str]:
+        """The fields of `_NOT_USED` this request set to a value that would need them implemented."""
+        data = self.model_dump(exclude_unset=True)
+        return [k for k in _NOT_USED if k in data and data[k] not in _NOT_USED[k]]
 
 
 class StreamOptions(_Strict):
@@ -72,10 +105,6 @@ class SamplingRequest(_Strict):
     metadata: Any = None
     response_format: Any = None
 
-    def unsupported_fields(self) -> list[str]:
-        data = self.model_dump(exclude_unset=True)
-        return [k for k in _NOT_USED if k in data and data[k] not in _NOT_USED[k]]
-
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -102,7 +131,12 @@ class ContentPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
-    name: str | None = None
+    name: str | None = None  # passed to the chat template, which decides (ChatML's ignores it, as in vLLM)
+    # Known but not implemented: see _NOT_USED.
+    tool_calls: Any = None
+    refusal: Any = None
+    function_call: Any = None
+    audio: Any = None
 
     def text(self) -> str:
         """The content as one string; ValueError naming the part that is not text."""
@@ -110,8 +144,10 @@ class ChatMessage(_Strict):
             return self.content
         texts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise ValueError(f"content parts of type {part.type!r} are not supported (only 'text')")
+            if part.text is None:
+                raise ValueError("a content part of type 'text' needs its 'text'")
             texts.append(part.text)
         return "\n".join(texts)
 

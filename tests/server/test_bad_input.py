@@ -71,6 +71,39 @@ CASES = [
     ("unknown model", C, _completion(model="gpt-17"), 404, "model"),
     ("unknown model (chat)", CHAT, _chat(model="gpt-17"), 404, "model"),
     ("detokenize out of vocab", "/detokenize", json.dumps({"tokens": [-1]}).encode(), 400, "tokens"),
+    # JSON escapes may spell half of a UTF-16 pair: no UTF-8 encoder takes it (tokenizer, engine, response).
+    ("lone surrogate in prompt", C, b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+    ("lone surrogate in stop", C, b'{"prompt": "a", "stop": ["x", "\\udfff"], "stream": true}', 400, "stop.1"),
+    ("lone surrogate in model", C, b'{"prompt": "a", "model": "\\ud800"}', 400, "model"),
+    (
+        "lone surrogate in a message",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\ud83d"}]}',
+        400,
+        "messages.0.content",
+    ),  # fmt: skip
+    ("prompt of mixed types", C, _completion(prompt=[1, "a"]), 400, "prompt"),
+    (
+        "unknown field of a content part",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]),
+        400,
+        "messages.0.content.0.cache_control",
+    ),  # fmt: skip
+    (
+        "text part without text",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        400,
+        "messages.0.content",
+    ),  # fmt: skip
+    (
+        "chat: tool calls in history",
+        CHAT,
+        _chat(messages=[*MSGS, {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]),
+        400,
+        "messages.1.tool_calls",
+    ),  # fmt: skip
 ]
 
 
@@ -87,8 +120,47 @@ def _check_error(r, status: int, param: str | None) -> dict:
 def test_bad_request(http, name, path, body, status, param):
     r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     err = _check_error(r, status, param)
-    if name in ("best_of", "suffix", "prompt_logprobs", "chat: tools", "chat: json mode", "chat: image part"):
+    if name in ("best_of", "suffix", "prompt_logprobs", "chat: tools", "chat: json mode", "chat: image part",
+                "chat: tool calls in history"):  # fmt: skip
         assert "not supported" in err["message"]
+    if name.startswith("lone surrogate"):
+        assert "surrogate" in err["message"]
+    if name == "prompt of mixed types":
+        assert "list[int]" in err["message"] and "list[str]" in err["message"], err
+    if name == "text part without text":
+        assert "needs its 'text'" in err["message"], err
+
+
+def test_null_means_not_set(http):
+    """OpenAI reads null as "not set" for its optional fields; clients that write every field send it. Where null
+    means something of its own it keeps it: completions' max_tokens null is the rest of the context."""
+    base = {**OK, "max_tokens": 3}
+    want = http.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    nulls = {"n": None, "stream": None, "echo": None, "logprobs": None, "stop": None, "seed": None, "user": None}
+    r = http.post("/v1/completions", json={**base, **nulls})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [want]
+    history = [*MSGS, {"role": "assistant", "content": "Hello", "tool_calls": None, "refusal": None},
+               {"role": "user", "content": "Bye", "name": None}]  # fmt: skip
+    chat = {"messages": history, "max_tokens": 2, "n": None, "logprobs": None, "stream": None, "tools": None}
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    # A null is "not set", not a pass for a field the request does not have.
+    _check_error(http.post("/v1/chat/completions", json={**chat, "tool_calls": None}), 400, "tool_calls")
+
+
+def test_models_version_and_cors(http):
+    name = http.get("/v1/models").json()["data"][0]["id"]
+    r = http.get(f"/v1/models/{name}")
+    assert r.status_code == 200 and r.json()["id"] == name
+    _check_error(http.get("/v1/models/gpt-17"), 404, "model")
+    assert http.get("/version").json()["version"]
+    # A browser's preflight and the CORS header on the answer (vLLM's default: any origin).
+    pre = http.options("/v1/chat/completions", headers={"Origin": "http://localhost:3000",
+                                                        "Access-Control-Request-Method": "POST"})  # fmt: skip
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
+    r = http.post("/v1/completions", json=OK, headers={"Origin": "http://localhost:3000"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
 
 
 def test_oversized_body(http):
