@@ -183,6 +183,12 @@ def run_core(args: dict, commands_addr: str, results_addr: str, parent_pid: int,
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _configure_logging(args.get("log_level", "info"))
     _watch_parent(parent_pid, os.path.dirname(commands_addr.removeprefix("ipc://")))
+    # tqdm (the warm-up's progress bar) guards its writes with a multiprocessing lock, a named semaphore the parent's
+    # resource tracker is told of; this process ends with os._exit, which skips unlinking it, and the server's exit
+    # then warned of a "leaked semaphore". One process writes this bar: a thread lock is all it needs.
+    from tqdm.auto import tqdm
+
+    tqdm.set_lock(threading.RLock())
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.setsockopt(zmq.RCVHWM, COMMANDS_HWM)

@@ -36,4 +36,7 @@ def test_sigterm_drains_then_exits_zero(server):
     chunks = [json.loads(x) for x in rest[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(60) == 0, server.log_tail()
-    assert "drained: no request in flight" in server.log_tail(20000)
+    log = server.log_tail(20000)
+    assert "drained: no request in flight" in log
+    # The engine's process ends with os._exit: nothing it made may be left for the resource tracker to warn of.
+    assert "leaked semaphore" not in log, log[-2000:]
