@@ -20,7 +20,7 @@ host tier, spill to host memory when the pool needs them), so a late turn still 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,7 +52,9 @@ class SessionStore:
         self.max_pages = max_pages  # 0: sessions are off
         self.ttl = ttl
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
-        self.pinned_pages = 0
+        # page -> sessions pinning it: conversations that share a system prompt share its full pages, which the pool
+        # holds once, so the cap and the metric count each page once.
+        self._pins: Counter[int] = Counter()
         # Counters for metrics and tests.
         self.hits = 0  # requests that started on a session's pages
         self.hit_tokens = 0
@@ -62,6 +64,11 @@ class SessionStore:
     @property
     def enabled(self) -> bool:
         return self.max_pages > 0
+
+    @property
+    def pinned_pages(self) -> int:
+        """Distinct pages the sessions pin (a page two sessions share counts once)."""
+        return len(self._pins)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -77,12 +84,13 @@ class SessionStore:
         n = len(pages)
         if not self.enabled or not tokens or n == 0 or n > self.max_pages:
             return False
-        while self.pinned_pages + n > self.max_pages:  # cap: the least recently used go first
+        # cap: the least recently used go first (a page another session pins already costs nothing more)
+        while self.pinned_pages + sum(p not in self._pins for p in pages) > self.max_pages:
             self._drop_oldest()
         self.alloc.share(pages)
         self._sessions[session_id] = Session(list(tokens), list(pages), list(block_hashes),
                                              time.monotonic() if now is None else now)  # fmt: skip
-        self.pinned_pages += n
+        self._pins.update(pages)
         self.pinned += 1
         return True
 
@@ -162,4 +170,7 @@ class SessionStore:
 
     def _free(self, s: Session) -> None:
         self.alloc.free(s.pages)
-        self.pinned_pages -= len(s.pages)
+        self._pins.subtract(s.pages)
+        for p in s.pages:
+            if self._pins[p] <= 0:
+                self._pins.pop(p)

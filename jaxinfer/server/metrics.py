@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from jaxinfer.server.state import Phase, ServerState
@@ -26,13 +26,16 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
 # Engine.cache_stats() keys -> gauges: sessions (pinned conversations) and the host KV tier.
 _CACHE_GAUGES = (
     ("sessions", "session_count", "Conversations whose KV pages are pinned for their next turn"),
-    ("session_pinned_pages", "session_pinned_pages", "KV pages pinned by sessions"),
+    ("session_pinned_pages", "session_pinned_pages", "KV pages pinned by sessions (a shared page counts once)"),
+    ("host_kv_bytes", "host_kv_cache_bytes", "Bytes of KV pages held in the host tier"),
+    ("host_kv_capacity_bytes", "host_kv_cache_capacity_bytes", "The host tier's byte cap (0: off)"),
+)
+# ... and counters (they only grow: exposed as NAME_total, for rate()).
+_CACHE_COUNTERS = (
     ("session_hits", "session_hits", "Requests that started on their session's pinned pages"),
     ("session_hit_tokens", "session_hit_tokens", "Prompt tokens reused from sessions' pinned pages"),
     ("host_kv_hits", "host_kv_cache_hits", "KV pages copied back from the host tier instead of recomputed"),
     ("host_kv_spills", "host_kv_cache_spills", "KV pages copied out to the host tier"),
-    ("host_kv_bytes", "host_kv_cache_bytes", "Bytes of KV pages held in the host tier"),
-    ("host_kv_capacity_bytes", "host_kv_cache_capacity_bytes", "The host tier's byte cap (0: off)"),
 )
 
 
@@ -40,7 +43,7 @@ class _EngineCollector(Collector):
     def __init__(self, state: ServerState):
         self.state = state
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.state
         running = waiting = used = total = 0
         hit_rate = 0.0
@@ -87,6 +90,9 @@ class _EngineCollector(Collector):
         for key, name, doc in _CACHE_GAUGES:
             if key in cache:
                 yield gauge(name, doc, cache[key])
+        for key, name, doc in _CACHE_COUNTERS:
+            if key in cache:
+                yield CounterMetricFamily(f"jaxinfer:{name}", doc, value=cache[key])
         if timeline:  # --step-timeline
             yield gauge("device_idle_share", "Device idle between steps / (idle + busy), recent steps",
                         timeline["idle_share"])  # fmt: skip

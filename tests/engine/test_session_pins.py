@@ -182,3 +182,21 @@ def test_scheduler_records_evictions_and_loads_in_order():
 def test_session_id_is_checked(bad):
     with pytest.raises(ValueError, match="session_id"):
         SamplingParams(session_id=bad)
+
+
+def test_a_page_two_sessions_share_is_pinned_once():
+    """Conversations that start with the same system prompt share its full pages: the pool holds each once, and so
+    do the pinned-page count (/metrics) and the cap."""
+    alloc = PageAllocator(32, PS)
+    store = SessionStore(alloc, max_pages=4, ttl=10)
+    shared, own_a, own_b = alloc.allocate(2), alloc.allocate(1), alloc.allocate(1)
+    tokens = list(range(3 * PS))
+    assert store.pin("a", tokens, shared + own_a, [], now=0.0)
+    assert store.pin("b", tokens, shared + own_b, [], now=1.0)
+    alloc.free(shared + own_a + own_b)  # the requests let go: only the pins hold them
+    assert store.pinned_pages == 4 == alloc.num_used  # 2 shared + 1 + 1, where a per-session sum says 6
+    assert len(store) == 2  # both fit the cap of 4 distinct pages
+    store.release("a")
+    assert store.pinned_pages == 3 == alloc.num_used  # the shared pages stay for "b"
+    store.release_all()
+    assert store.pinned_pages == 0 and alloc.num_free == alloc.num_pages

@@ -44,17 +44,17 @@ def _chat(http: httpx.Client, messages: list[dict], headers: dict | None = None)
 def test_second_turn_starts_on_the_first_turns_pages(server):
     with httpx.Client(base_url=server.url, timeout=120) as http:
         assert _metric(http, "host_kv_cache_capacity_bytes") == HOST_BYTES
-        hits, hit_tokens = _metric(http, "session_hits"), _metric(http, "session_hit_tokens")
+        hits, hit_tokens = _metric(http, "session_hits_total"), _metric(http, "session_hit_tokens_total")
         convo = [{"role": "user", "content": "Tell me about the sea, in a few words please."}]
         reply, first = _chat(http, convo, {"X-Session-Id": "conv-1"})
         assert _metric(http, "session_count") >= 1 and _metric(http, "session_pinned_pages") >= 1
         convo += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And about rivers?"}]
         second, usage = _chat(http, convo, {"X-Session-Id": "conv-1"})
-        assert _metric(http, "session_hits") == hits + 1
+        assert _metric(http, "session_hits_total") == hits + 1
         # The first turn's prompt came from its pinned pages (usage reports them as cached), up to the token where
         # the re-rendered conversation's tokens part from the computed ones (BPE merges across the template's
         # newline): reuse is token by token, not page by page.
-        reused = _metric(http, "session_hit_tokens") - hit_tokens
+        reused = _metric(http, "session_hit_tokens_total") - hit_tokens
         assert reused >= first["prompt_tokens"] - 2 and usage["prompt_tokens_details"]["cached_tokens"] == reused
         assert _chat(http, convo)[0] == second  # the same tokens without a session
 
@@ -63,13 +63,13 @@ def test_user_field_names_the_session(server):
     body = {"prompt": "Once upon a time there was a", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "user": "alice"}  # fmt: skip
     with httpx.Client(base_url=server.url, timeout=120) as http:
-        hits = _metric(http, "session_hits")
+        hits = _metric(http, "session_hits_total")
         first = http.post("/v1/completions", json=body)
         assert first.status_code == 200, first.text
         body["prompt"] += first.json()["choices"][0]["text"] + " and then"
         second = http.post("/v1/completions", json=body)
         assert second.status_code == 200, second.text
-        assert _metric(http, "session_hits") == hits + 1
+        assert _metric(http, "session_hits_total") == hits + 1
         del body["user"]
         assert (
             http.post("/v1/completions", json=body).json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
