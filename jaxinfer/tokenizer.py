@@ -69,6 +69,8 @@ class _Backend(Protocol):
 
     def token_to_id(self, s: str) -> int | None: ...
 
+    def token_bytes(self, i: int) -> bytes: ...
+
 
 class _HFBackend:
     """A `tokenizers.Tokenizer`; BOS/EOS insertion lives in its post-processor."""
@@ -79,6 +81,15 @@ class _HFBackend:
         self.clean_up_spaces = clean_up_spaces and type(tk.model).__name__ != "BPE"
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(i for i, t in tk.get_added_tokens_decoder().items() if t.special)
+        # What token_bytes needs to know of the decoder: which of the steps that map a token to bytes it takes.
+        steps = _decoder_steps(tk.decoder)
+        kinds = {d.get("type") for d in steps}
+        self._byte_level = "ByteLevel" in kinds
+        self._byte_fallback = "ByteFallback" in kinds
+        # Sentencepiece spells a space "▁"; its decoders (Replace, Metaspace) turn it back into one.
+        self._metaspace = "Metaspace" in kinds or any(
+            d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "▁" for d in steps
+        )
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
@@ -92,6 +103,41 @@ class _HFBackend:
 
     def token_to_id(self, s: str) -> int | None:
         return self.tk.token_to_id(s)
+
+    def token_bytes(self, i: int) -> bytes:
+        token = self.tk.id_to_token(i)
+        if token is None:
+            return b""
+        if self._byte_level:
+            # As the ByteLevel decoder does: a token spelled outside the byte alphabet (an added token stored
+            # raw) stands for its own UTF-8.
+            table = _unicode_to_byte()
+            return bytes(table[c] for c in token) if all(c in table for c in token) else token.encode("utf-8")
+        if self._byte_fallback and (byte := _byte_token_value(token)) is not None:
+            return bytes([byte])
+        if self._metaspace:
+            return token.replace("▁", " ").encode("utf-8")
+        # Other decoders (WordPiece's "##", ...) only make sense on whole words: the token decoded alone.
+        return self.decode([i], skip_special_tokens=False).encode("utf-8")
+
+
+def _decoder_steps(decoder: decoders.Decoder | None) -> list[dict[str, Any]]:
+    """A `tokenizers` decoder's steps (a Sequence's members, or the decoder itself), as their JSON configs."""
+    if decoder is None:
+        return []
+    state = json.loads(decoder.__getstate__())
+    return list(state.get("decoders", [state]))
+
+
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+
+
+def _byte_token_value(token: str) -> int | None:
+    """The byte a sentencepiece byte-fallback token such as "<0xF0>" stands for (None: not one)."""
+    digits = token[3:5]
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">") and set(digits) <= _HEX_DIGITS:
+        return int(digits, 16)
+    return None
 
 
 def _clean_up_tokenization(text: str) -> str:
@@ -139,6 +185,14 @@ class _SentencePieceBackend:
 
     def id_to_token(self, i: int) -> str | None:
         return self.sp.id_to_piece(i) if 0 <= i < self.vocab_size else None
+
+    def token_bytes(self, i: int) -> bytes:
+        piece = self.id_to_token(i)
+        if piece is None:
+            return b""
+        if self.sp.is_byte(i):
+            return bytes([int(piece[3:5], 16)])  # "<0xF0>"
+        return piece.replace("▁", " ").encode("utf-8")
 
     def token_to_id(self, s: str) -> int | None:
         i = self.sp.piece_to_id(s)
@@ -265,6 +319,18 @@ class Tokenizer:
 
     def token_to_id(self, s: str) -> int | None:
         return self._backend.token_to_id(s)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The raw bytes token `i` stands for, as the decoder turns it into text (special tokens: their spelling).
+
+        Unlike `decode([i])`, this keeps a token that holds part of a UTF-8 character (byte-level BPE pieces of
+        an emoji, sentencepiece's "<0xF0>") as its bytes instead of U+FFFD, so the bytes of consecutive tokens
+        join into the text they decode to (OpenAI's chat logprobs `bytes`). A sentencepiece "▁" is a space here
+        even on the first token, whose space a whole decode strips.
+        """
+        if not 0 <= int(i) < self.vocab_size:
+            raise IndexError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+        return self._backend.token_bytes(int(i))
 
     def is_special(self, i: int) -> bool:
         return int(i) in self._backend.special_ids
@@ -588,6 +654,12 @@ def _byte_to_unicode() -> dict[int, str]:
     shifted = (b for b in range(256) if b not in table)
     table.update({b: chr(256 + n) for n, b in enumerate(shifted)})
     return dict(sorted(table.items()))
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of `_byte_to_unicode`: a byte-level BPE spelling's character -> the byte it stands for."""
+    return {c: b for b, c in _byte_to_unicode().items()}
 
 
 # Pre-tokenizer split regexes named by `tokenizer.ggml.pre` (llama.cpp's names for them).

@@ -23,7 +23,8 @@ class SamplingParams:
     """Per-request generation settings under vLLM's names. Every field is honoured; there is no field we ignore.
 
     Stop conditions: EOS (unless ignore_eos), any of stop_token_ids, any of the stop strings (the text never
-    shows the stop string unless include_stop_str_in_output), max_tokens, the context length.
+    shows the stop string, nor the text of the EOS or stop token that ended it, unless include_stop_str_in_output;
+    the token stays in token_ids and logprobs, as in vLLM), max_tokens, the context length.
     """
 
     n: int = 1

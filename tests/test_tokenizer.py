@@ -362,6 +362,93 @@ def test_gguf_llama_kind_matches_sentencepiece(sp_models: dict[str, Path], text:
     assert tok.decode(expected) == sp.decode(expected)
 
 
+# ---- token bytes ------------------------------------------------------------------------------------------
+
+
+def _check_token_bytes(tok: Tokenizer, text: str) -> None:
+    """The tokens' bytes, joined, decode to what the tokens decode to (special tokens kept) after a plain token:
+    the context keeps a sentencepiece decoder from stripping the first token's space, which its bytes keep."""
+    ids = tok.encode(text, add_special_tokens=False)
+    context = tok.encode("a", add_special_tokens=False)[-1:]
+    joined = b"".join(tok.token_bytes(i) for i in ids)
+    head = tok.decode(context, skip_special_tokens=False)
+    assert head + joined.decode("utf-8") == tok.decode([*context, *ids], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_gguf_token_bytes(name: str) -> None:
+    tok = _ours(name)
+    for text in TEXTS.values():
+        _check_token_bytes(tok, text)
+    # The pieces of a split character are its bytes; a token decoded alone shows U+FFFD for them.
+    beaver = tok.encode("🦫", add_special_tokens=False)
+    assert len(beaver) > 1 and all(tok.decode([i]) == "\ufffd" for i in beaver)
+    assert b"".join(tok.token_bytes(i) for i in beaver) == "🦫".encode()
+    eos = tok.eos_token_ids[0]
+    assert tok.token_bytes(eos) == tok.decode([eos], skip_special_tokens=False).encode()
+    with pytest.raises(IndexError):
+        tok.token_bytes(tok.vocab_size)
+
+
+def test_gguf_token_bytes_of_every_token() -> None:
+    """Every SmolLM2 token's bytes decode to the token decoded alone, U+FFFD for each piece of a character in it
+    (the byte-level decoder's lossy UTF-8, as Python's errors="replace")."""
+    tok = _ours("smollm2")
+    split = 0
+    for i in range(tok.vocab_size):
+        raw = tok.token_bytes(i)
+        assert raw.decode("utf-8", errors="replace") == tok.decode([i], skip_special_tokens=False), i
+        split += raw != raw.decode("utf-8", errors="replace").encode()
+    assert 0 < split < tok.vocab_size // 100
+
+
+def test_byte_fallback_token_bytes() -> None:
+    tok = _ours("gemma3")
+    byte = tok.token_to_id("<0xF0>")
+    assert byte is not None and tok.token_bytes(byte) == b"\xf0"
+
+
+def test_hf_dir_token_bytes(hf_dir: Path) -> None:
+    tok = load_tokenizer(hf_dir)
+    for text in TEXTS.values():
+        _check_token_bytes(tok, text)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_sentencepiece_token_bytes(sp_models: dict[str, Path], kind: str) -> None:
+    """sentencepiece itself, and (bpe) the llama-kind GGUF and the fast tokenizer.json transformers converts it to
+    (its Metaspace / Replace decoder spells "▁" as a space and strips the first one)."""
+    toks = [load_tokenizer(sp_models[kind])]
+    if kind == "bpe":
+        toks.append(Tokenizer.from_gguf(_gguf_metadata_from_sentencepiece(sp_models["bpe"])))
+    for tok in toks:
+        for text in SP_TEXTS.values():
+            _check_token_bytes(tok, text)
+        word = tok.encode("the", add_special_tokens=False)  # with the dummy prefix, which decode() strips
+        assert b"".join(tok.token_bytes(i) for i in word) == b" the" and tok.decode(word) == "the"
+
+
+def test_hf_dir_sentencepiece_token_bytes(sp_models: dict[str, Path], tmp_path: Path) -> None:
+    """The fast tokenizer.json transformers converts the sentencepiece model to (a Replace, ByteFallback, Fuse,
+    Strip decoder); and the same with a Metaspace decoder (on text that needs no byte fallback)."""
+    import tokenizers
+
+    transformers = pytest.importorskip("transformers")
+    fast = transformers.LlamaTokenizerFast.from_pretrained(str(sp_models["bpe"].parent))
+    fast.save_pretrained(tmp_path)
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    for text in SP_TEXTS.values():
+        _check_token_bytes(tok, text)
+    assert tok.token_bytes(tok.token_to_id("<0xF0>")) == b"\xf0"
+
+    tk = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tk.decoder = tokenizers.decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    for key in ("plain", "hello", "python", "leading_spaces"):
+        _check_token_bytes(tok, SP_TEXTS[key])
+
+
 # ---- errors ------------------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,9 @@ tokens made, never a copy of the whole output per step. A delta may hold tokens 
 unfinished character, a possible stop string); the text comes in a later one. `cumulative_logprob` stays the
 running total; a request's `prompt_logprobs` come once, in its first output. `OutputAccumulator` adds deltas up
 into the whole output (the server's handlers, `LLM`).
+
+A sequence ended by a stop token (EOS, stop_token_ids) keeps that token in its token ids and logprobs but not its
+text, unless include_stop_str_in_output: vLLM's rule, the one stop strings follow too (`_hide_stop_token`).
 """
 
 from __future__ import annotations
@@ -109,14 +112,18 @@ class OutputProcessor:
             if u.timing is not None and req.timing is None:
                 req.timing = u.timing
             t0 = time.perf_counter()
-            for tok, lp in zip(u.new_token_ids, u.new_logprobs or [None] * len(u.new_token_ids), strict=True):
+            # The token that ended the sequence by itself (EOS, stop_token_ids) is the last one of the update.
+            unrendered = len(u.new_token_ids) - 1 if _hide_stop_token(u, req.params) else -1
+            for j, (tok, lp) in enumerate(
+                zip(u.new_token_ids, u.new_logprobs or [None] * len(u.new_token_ids), strict=True)
+            ):
                 if seq.detok.stopped:
                     break  # past the stop string: not part of the output
                 if seq.num_tokens == req.params.min_tokens > 0:
                     seq.detok.arm_stop(req.params.stop)
                 seq.num_tokens += 1
                 seq.token_ids.append(tok)
-                if text := seq.detok.add(tok):
+                if j != unrendered and (text := seq.detok.add(tok)):
                     seq.text.append(text)
                 if lp is not None:
                     seq.logprobs.append(lp)
@@ -181,6 +188,22 @@ class OutputProcessor:
         chunks = [(a + start, a + done, int(tokens)) for start, done, tokens in t.prefill_chunks]
         return RequestMetrics(a, a + t.queued_s, a + t.first_token_s, req.finished_time, t.num_cached_tokens,
                               t.num_host_cached_tokens, chunks, req.detokenize_s)  # fmt: skip
+
+
+def _hide_stop_token(u: SeqUpdate, params: SamplingParams) -> bool:
+    """Whether the update's last token ended its sequence as a stop token whose text stays out of the output.
+
+    vLLM's rule (v1 IncrementalDetokenizer.update with stop_terminated): a sequence that sampled EOS or one of
+    stop_token_ids does not show that token's text (e.g. "<|im_end|>" with skip_special_tokens=False, or "." as a
+    stop token) unless include_stop_str_in_output, as a stop string does not show. The token itself stays: in
+    token_ids, usage, and the logprobs, as vLLM keeps it in its logprobs too (the model did sample it, and a
+    client scoring the output needs its logprob). The engine ends a sequence with "stop" only on a stop token: its
+    stop_reason is the token id, or None for EOS; stop strings (a str) are found here, before the engine hears.
+    """
+    return (
+        u.finished and u.finish_reason == "stop" and not isinstance(u.stop_reason, str)
+        and not params.include_stop_str_in_output and bool(u.new_token_ids)
+    )  # fmt: skip
 
 
 class OutputAccumulator:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -14,7 +15,7 @@ from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
-from jaxinfer.server.logprobs import completion_logprobs, join_logprobs
+from jaxinfer.server.logprobs import TextOffsets, completion_logprobs, join_logprobs
 from jaxinfer.server.protocol import CompletionRequest
 from jaxinfer.server.sampling import check_fanout, completion_params, prompt_only, reject_unsupported
 from jaxinfer.server.streaming import (
@@ -27,7 +28,7 @@ from jaxinfer.server.streaming import (
     sse,
 )
 from jaxinfer.server.truncation import completion_room, keep_last_tokens
-from jaxinfer.types import RequestOutput
+from jaxinfer.types import CompletionOutput, RequestOutput
 
 
 def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
@@ -132,28 +133,55 @@ class _View:
             return ""
         return sub.prompt if sub.prompt is not None else self.ctx.tokenizer.decode(sub.prompt_ids, False)
 
-    def _logprobs(self, token_ids, entries, text_offset: int) -> dict | None:
-        if self.req.logprobs is None:
-            return None
-        return completion_logprobs(token_ids, entries or [], self.req.logprobs, self.ctx.token_text, text_offset)
+    def _offsets(self, sub: EngineRequest) -> TextOffsets:
+        """Places a choice's tokens in its text (text_offset), detokenized as the engine's output path did."""
+        return TextOffsets(self.ctx.tokenizer, sub.prompt_ids, sub.params.skip_special_tokens)
 
     @property
     def _scores_prompt(self) -> bool:
         """echo with logprobs: the choice's logprobs cover the echoed prompt tokens first (OpenAI, vLLM)."""
         return self.req.echo and self.req.logprobs is not None
 
-    def _choice_logprobs(self, sub: EngineRequest, out: RequestOutput, token_ids, entries, base: int, echoed: bool):
-        """Logprobs of a choice's (new) tokens, offsets from `base`; when `echoed`, the echoed prompt's tokens come
-        first, at offsets from `base` - len(echo): the first one unscored (None), the others as the engine scored
-        them given the tokens before them."""
-        gen = self._logprobs(token_ids, entries, base)
+    def _sendable(self, c: CompletionOutput, offsets: TextOffsets) -> int:
+        """How many of a streamed choice's tokens may go out: all once it ended; before that, with logprobs, those
+        whose text starts within the text out so far. A later token's place is not known yet: text held back for a
+        possible stop string may still be cut before it, and the text out so far is never taken back."""
+        if self.req.logprobs is None or c.finish_reason is not None:
+            return len(c.token_ids)
+        offsets.extend(c.token_ids)
+        return bisect.bisect_right(offsets.starts, len(c.text))
+
+    def _choice_logprobs(
+        self, sub: EngineRequest, out: RequestOutput, c: CompletionOutput, offsets: TextOffsets, start: int,
+        stop: int, echoed: bool,
+    ) -> dict | None:  # fmt: skip
+        """Logprobs of the choice's tokens [start, stop), offsets in echo + text; when `echoed`, the echoed
+        prompt's tokens come first: the first one unscored (None), the others as the engine scored them given the
+        tokens before them."""
+        if self.req.logprobs is None:
+            return None
+        echo = self._echo(sub)
+        offsets.extend(c.token_ids)
+        at = offsets.clamped(start, stop, len(c.text), len(echo))
+        entries = (c.logprobs or [])[start:stop]
+        gen = completion_logprobs(c.token_ids[start:stop], entries, self.req.logprobs, self.ctx.token_text, at)
         if not (echoed and self._scores_prompt):
             return gen
         ids = sub.prompt_ids
         scored = list(out.prompt_logprobs or [])[: len(ids)]
         scored += [None] * (len(ids) - len(scored))  # never short in practice; an unscored token shows None
-        prompt = self._logprobs(ids, scored, base - len(self._echo(sub)))
+        prompt = completion_logprobs(ids, scored, self.req.logprobs, self.ctx.token_text, self._echo_offsets(sub, echo))
         return join_logprobs(prompt, gen)
+
+    def _echo_offsets(self, sub: EngineRequest, echo: str) -> list[int]:
+        """Where each prompt token starts in the echoed prompt. Token ids echo as they decode, special tokens kept;
+        a text prompt echoes as sent, without the special tokens the tokenizer added to it (a BOS): when the ids
+        with their special tokens do not decode to it, they are placed without them."""
+        ids = sub.prompt_ids
+        keep = sub.prompt is None or self.ctx.tokenizer.decode(ids, skip_special_tokens=False) == echo
+        offsets = TextOffsets(self.ctx.tokenizer, [], skip_special_tokens=not keep)
+        offsets.extend(ids)
+        return offsets.clamped(0, len(ids), len(echo), 0)
 
     def _usage(self, completion_tokens: int, outs: list[RequestOutput | None]) -> dict:
         return usage(self.subs, completion_tokens, outs)
@@ -171,7 +199,7 @@ class _View:
                 choices.append({
                     "index": i * self.n + c.index,
                     "text": echo + c.text,
-                    "logprobs": self._choice_logprobs(sub, out, c.token_ids, c.logprobs, len(echo), True),
+                    "logprobs": self._choice_logprobs(sub, out, c, self._offsets(sub), 0, len(c.token_ids), True),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })  # fmt: skip
@@ -183,7 +211,7 @@ class _View:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         sent_chars: dict[int, int] = {}  # choice index -> characters of its text already sent (echo excluded)
         sent_tokens: dict[int, int] = {}
-        out_chars: dict[int, int] = {}  # characters sent including the echo: base of text_offset
+        offsets: dict[int, TextOffsets] = {}  # choice index -> where its tokens start in its text
         finished: set[int] = set()
         streams = [run_request(self.ctx.state, self.ctx.metrics, s, admission, i) for i, s in enumerate(self.subs)]
         last: list[RequestOutput | None] = [None] * len(self.subs)
@@ -197,23 +225,23 @@ class _View:
                     first = idx not in sent_chars
                     if first and self._scores_prompt and out.prompt_logprobs is None and c.finish_reason is None:
                         continue  # the echo goes out with its logprobs, which come with the first token
-                    prefix = self._echo(self.subs[i]) if first else ""
+                    sub = self.subs[i]
+                    prefix = self._echo(sub) if first else ""
                     a, t = sent_chars.get(idx, 0), sent_tokens.get(idx, 0)
                     delta = prefix + c.text[a:]
                     if not delta and c.finish_reason is None:
                         continue  # text held back (an unfinished character or a possible stop string)
-                    base = out_chars.get(idx, 0) + len(prefix)
+                    if idx not in offsets:
+                        offsets[idx] = self._offsets(sub)
+                    stop = self._sendable(c, offsets[idx])
                     choice = {
                         "index": idx,
                         "text": delta,
-                        "logprobs": self._choice_logprobs(
-                            self.subs[i], out, c.token_ids[t:], (c.logprobs or [])[t:], base, first
-                        ),
+                        "logprobs": self._choice_logprobs(sub, out, c, offsets[idx], t, stop, first),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }
-                    sent_chars[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
-                    out_chars[idx] = out_chars.get(idx, 0) + len(delta)
+                    sent_chars[idx], sent_tokens[idx] = len(c.text), stop
                     if c.finish_reason is not None:
                         finished.add(idx)
                     chunk = self._envelope([choice])

@@ -177,6 +177,37 @@ def test_chat_logprobs(client):
     assert streamed == [item.token for item in content]
 
 
+def test_stop_token_text_and_text_offset(client, tokenizer):
+    """As reported on this model: "." as a stop token shows in the text only with include_stop_str_in_output (it
+    stays in the logprobs); text_offset places tokens in the text, a held-back stop string or an emoji split in
+    byte tokens included, the same streamed and whole."""
+    period = tokenizer.encode(".", add_special_tokens=False)[0]
+    for include in (False, True):
+        kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=0,
+                  extra_body={"stop_token_ids": [period], "include_stop_str_in_output": include})  # fmt: skip
+        whole = client.completions.create(**kw).choices[0]
+        assert whole.logprobs.tokens[-1] == "." and whole.model_extra["stop_reason"] == period
+        assert whole.text == "".join(whole.logprobs.tokens[: None if include else -1])
+        assert _stream_text(client.completions.create(**kw, stream=True))[0][0] == whole.text
+    for prompt, stop in ((PROMPT, ["aris is"]), ("Cute animals: 🐱🐶🐱🐶🐱", None)):
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0, stop=stop)
+        whole = client.completions.create(**kw).choices[0]
+        offsets = whole.logprobs.text_offset
+        assert offsets == sorted(offsets) and offsets[-1] <= len(whole.text)
+        chunks = client.completions.create(**kw, stream=True)
+        assert [at for ch in chunks for c in ch.choices if c.logprobs for at in c.logprobs.text_offset] == offsets
+
+
+def test_chat_logprobs_bytes_join_into_the_text(client):
+    messages = [{"role": "user", "content": "Reply with only three cat emoji: 🐱🐱🐱"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True)
+    choice = out.choices[0]
+    assert "🐱" in choice.message.content
+    items = choice.logprobs.content[: -1 if choice.finish_reason == "stop" else None]  # EOS: no text, its logprob
+    joined = bytes(b for item in items for b in item.bytes)
+    assert joined.decode("utf-8", errors="replace") == choice.message.content
+
+
 def test_vllm_sampling_extras(client, tokenizer):
     period = tokenizer.encode(".", add_special_tokens=False)[0]
     extras = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 4, "ignore_eos": False,
