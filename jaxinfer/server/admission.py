@@ -92,8 +92,9 @@ class Admission:
         self._released = False
 
     def headers(self) -> dict[str, str]:
-        """The key's x-ratelimit-* headers, for the response."""
-        return self.reservation.headers()
+        """The response's headers: the key's x-ratelimit-* and the request's id (the client's X-Request-Id, or the
+        one the server made: the response body's `id`, and the access log's), to find it in the logs."""
+        return {**self.reservation.headers(), "X-Request-Id": self.record.request_id}
 
     def started(self, index: int) -> None:
         """Engine request `index` got its first token."""

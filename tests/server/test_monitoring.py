@@ -82,10 +82,13 @@ def test_access_log_and_histograms(traced):
     r = srv.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "n": 2},
                       headers={**auth("sk-secret-a"), "X-Request-Id": "logged"})  # fmt: skip
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    chunks = srv.http.post("/v1/chat/completions", headers=auth("sk-secret-a"), json={
+    assert r.headers["x-request-id"] == r.json()["id"] == "logged"  # the client's id comes back
+    streamed = srv.http.post("/v1/chat/completions", headers=auth("sk-secret-a"), json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
-        "stream_options": {"include_usage": True}}).text  # fmt: skip
+        "stream_options": {"include_usage": True}})  # fmt: skip
+    chunks = streamed.text
     assert '"prompt_tokens_details":{"cached_tokens":0}' in chunks
+    assert json.loads(chunks.split("data: ", 2)[1])["id"] == streamed.headers["x-request-id"]  # the server's id
     assert srv.http.post("/v1/completions", json={"prompt": PROMPT}, headers=auth("sk-wrong")).status_code == 401
     lines = _access_lines(path)
     assert [(x["endpoint"], x["status"]) for x in lines] == [("/v1/completions", 200), ("/v1/chat/completions", 200),
