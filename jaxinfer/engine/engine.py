@@ -237,7 +237,7 @@ class Engine:
         sids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
         now = time.monotonic()
         for i, sid in enumerate(sids):
-            req = Request(sid, prompt, params, (base_seed + i) % 2**32, arrival_time=now,
+            req = Request(sid, prompt, params, sample_seed(base_seed, i), arrival_time=now,
                           group=rid if params.n > 1 else None)  # fmt: skip
             self.seqs[sid] = req
             self.scheduler.add(req)
@@ -503,3 +503,16 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return [seqs[rid] for rid in rids]
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed` (n > 1): the first sample uses the seed itself (as with
+    n = 1); the others a 32-bit mix of (seed, index) (splitmix64's finalizer). vLLM gives sample i `seed + i`, so
+    that samples 1..n-1 of seed s are samples 0..n-2 of seed s + 1: a sweep over seeds with n > 1 drew the same
+    samples again."""
+    if index == 0:
+        return seed
+    z = ((seed << 32) | index) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 32

@@ -78,6 +78,23 @@ def test_n_samples_share_the_prompt(smol):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
+def test_samples_of_neighbouring_seeds_are_not_shared(smol):
+    """Sample i of seed s used to be seed s + i (vLLM's rule): samples 1..3 of seed 0 were samples 0..2 of seed 1,
+    so a sweep over seeds with n > 1 drew the same samples again. Sample 0 keeps the seed (as with n = 1)."""
+    from jaxinfer.engine.engine import sample_seed
+
+    def samples(seed: int) -> list[tuple[int, ...]]:
+        sp = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)
+        return [tuple(c.token_ids) for c in smol.generate(TEXTS[1], sp, use_tqdm=False)[0].outputs]
+
+    a, b = samples(0), samples(1)
+    assert not set(a) & set(b), (a, b)
+    single = SamplingParams(n=1, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True)
+    assert smol.generate(TEXTS[1], single, use_tqdm=False)[0].outputs[0].token_ids == list(b[0])
+    seeds = {sample_seed(s, i) for s in range(64) for i in range(16)}
+    assert len(seeds) == 64 * 16 and all(0 <= x < 2**32 for x in seeds)
+
+
 def test_stop_string_spanning_tokens(smol):
     base = smol.generate(TEXTS[0], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].outputs[0]
     text = base.text
