@@ -156,10 +156,11 @@ class LLM:
         for e in self._replicas():
             if e.host is not None:
                 e.host.clear()
-            for x in jax.tree.leaves((e.runner.params, e.runner.kv)):
+            # Deleted, not only dropped: a caller may still hold the engine (an AsyncEngine over it, a notebook name).
+            for x in jax.tree.leaves((e.runner.params, e.runner.weights, e.runner.kv, e.runner.feed)):
                 if isinstance(x, jax.Array) and not x.is_deleted():
                     x.delete()
-            e.runner.params = e.runner.kv = None
+            e.runner.params = e.runner.weights = e.runner.kv = e.runner.feed = None
         self.engine = None
         jax.clear_caches()
         gc.collect()
