@@ -12,10 +12,12 @@ model without restarting.
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
@@ -58,31 +60,41 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"}, key=str)
+            if unknown:  # vLLM's multi_modal_data and the like: not ours to drop silently
+                raise ValueError(f"prompts: unsupported key(s) {unknown} (a dict prompt takes 'prompt' and "
+                                 "'prompt_token_ids')")  # fmt: skip
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+            raise ValueError("prompts: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
+        if _is_token_ids(prompt):
+            return None, _token_ids(prompt)
         raise ValueError(f"prompts: expected text, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generates for every prompt (continuously batched); outputs in prompt order."""
         if self.engine is None:
             raise RuntimeError("this LLM is closed")
-        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or _is_token_ids(prompts):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        sampling_params = sampling_params or SamplingParams()
-        plist = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
+        elif isinstance(prompts, Iterable):
+            prompts = list(prompts)  # a list, a tuple, a generator
+        else:
+            raise ValueError(f"prompts: expected a prompt or a list of them, got {type(prompts).__name__}")
+        given = SamplingParams() if sampling_params is None else sampling_params
+        if isinstance(given, SamplingParams):
+            plist = [given] * len(prompts)
+        elif isinstance(given, list | tuple) and all(isinstance(x, SamplingParams) for x in given):
+            plist = list(given)
+        else:
+            raise ValueError(f"sampling_params: expected a SamplingParams or a list of them, got {given!r:.80}")
         if len(plist) != len(prompts):
             raise ValueError(f"sampling_params: got {len(plist)} for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt does not leave the others half-submitted.
@@ -103,27 +115,33 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generates replies to one conversation or a list of them, through the model's chat template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Generates replies to one conversation or a list of them, through the model's chat template. A message is
+        {"role", "content"}: text, or OpenAI's content parts of type "text"."""
+        if not isinstance(messages, list | tuple) or not messages:
+            raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
+        convs = [messages] if isinstance(messages[0], dict) else messages
         prompts = []
-        for conv in convs:
+        for i, conv in enumerate(convs):
             text = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-            )
+                _conversation(conv, f"messages[{i}]" if len(convs) > 1 else "messages"),
+                add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}),
+            )  # fmt: skip
             # The template already holds BOS where the model wants it.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @heap_frozen()  # the engine's and jax's objects out of full collections, which stalled the step loop
-    def _run(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, rids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         wholes = {rid: OutputAccumulator() for rid in rids}  # the processor's outputs are deltas
         pending = set(rids)
-        bar = tqdm(total=len(rids), desc="Generating", disable=not use_tqdm, unit="req")
+        # use_tqdm: a flag, or (as vLLM takes it) a progress-bar factory with tqdm's signature.
+        make = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make(total=len(rids), desc="Generating", disable=not use_tqdm, unit="req")
         try:
             while pending:
                 if not self.engine.has_unfinished():
@@ -176,3 +194,43 @@ class LLM:
             self.close()
         except Exception:
             pass
+
+
+def _is_token_ids(prompt: object) -> bool:
+    """Whether `prompt` is one prompt of token ids (a list, tuple or 1-D array of ints), not a list of prompts."""
+    if isinstance(prompt, np.ndarray):
+        return prompt.ndim == 1
+    return isinstance(prompt, list | tuple) and len(prompt) > 0 and isinstance(prompt[0], numbers.Integral)
+
+
+def _token_ids(ids: object) -> list[int]:
+    """`ids` as a list of ints; ValueError for anything else (a string, floats, bools), which int() would coerce."""
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
+        return ids.tolist()
+    if not isinstance(ids, list | tuple) or not all(_is_int(t) for t in ids):
+        raise ValueError(f"prompts: prompt_token_ids must be a list of integers, got {ids!r:.80}")
+    return [int(t) for t in ids]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _conversation(conv: object, where: str) -> list[dict]:
+    """A conversation as the chat template takes it: each message's role and text content checked, content parts
+    (OpenAI's [{"type": "text", "text": ...}]) joined as the server joins them."""
+    if not isinstance(conv, list | tuple) or not conv:
+        raise ValueError(f"{where}: expected a non-empty list of messages, got {conv!r:.80}")
+    out = []
+    for j, m in enumerate(conv):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"{where}[{j}]: a message is a dict with a 'role' and a 'content', got {m!r:.80}")
+        content = m.get("content")
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+        ):
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ValueError(f"{where}[{j}].content: expected text or a list of text parts, got {content!r:.80}")
+        out.append({**m, "content": content})
+    return out

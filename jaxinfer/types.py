@@ -90,9 +90,15 @@ class SamplingParams:
                 "seed",
                 f"must be an integer in [0, 2**32), got {self.seed!r}",
             )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
+        _check(self.stop is None or isinstance(self.stop, str | list | tuple), "stop",
+               f"must be a non-empty string or a list of them, got {self.stop!r}")  # fmt: skip
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be a non-empty string or a list of them")
         object.__setattr__(self, "stop", stop)
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple), "stop_token_ids",
+               f"must be a list of token ids, got {self.stop_token_ids!r}")  # fmt: skip
         ids = tuple(self.stop_token_ids or ())
         _check(all(is_int(t) and 0 <= t <= INT32_MAX for t in ids), "stop_token_ids",
                "must be token ids (non-negative integers)")  # fmt: skip

@@ -10,6 +10,7 @@ Host-only (no jax): the HTTP process validates requests against these without im
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -125,7 +126,32 @@ class EngineArgs:
     host_kv_cache_memory: int | str | None = None
     layer_loop: str = CacheConfig.layer_loop  # "auto" (per backend), "scan" or "unroll"
 
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the first setting of the wrong type or range: `LLM(max_num_seqs=0)` fell back to
+        the default (`x or default`), `enable_prefix_caching="no"` was truthy, and `max_logprobs=-1` built an
+        engine that failed every request."""
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_tokens"):
+            _check_int(self, name, 1, optional=True)
+        for name in ("block_size", "tensor_parallel_size", "data_parallel_size"):
+            _check_int(self, name, 1)
+        _check_int(self, "max_logprobs", 0)
+        _check_int(self, "session_cache_pages", 0, optional=True)
+        _check_int(self, "seed", None, optional=True)
+        for name in ("enable_prefix_caching", "enable_compilation_cache", "overlap_scheduling", "step_timeline"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+
     @staticmethod
     def from_mapping(settings: Mapping[str, Any]) -> EngineArgs:
         """The engine's settings among `settings` (parsed flags, or the server's args as a dict); others ignored."""
         return EngineArgs(**{f.name: settings[f.name] for f in fields(EngineArgs) if f.name in settings})
+
+
+def _check_int(args: EngineArgs, name: str, low: int | None, optional: bool = False) -> None:
+    value = getattr(args, name)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}: must be an integer{' or None' if optional else ''}, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import os
 import random
 import time
@@ -194,6 +195,8 @@ class Engine:
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """Raises ValueError naming the problem; returns the prompt as a list of ints."""
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise ValueError("prompt: token ids must be integers")  # int() would truncate 1.7 and take True as 1
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("prompt: needs at least one token")

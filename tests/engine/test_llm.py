@@ -8,6 +8,7 @@ import random
 import jax
 import numpy as np
 import pytest
+from tqdm.auto import tqdm
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.async_engine import AsyncEngine
@@ -145,11 +146,74 @@ def test_penalties_change_greedy_output(smol):
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
-     ({"top_k": -2}, "top_k"), ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"), ({"min_p": 2}, "min_p")],
+     ({"top_k": -2}, "top_k"), ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"), ({"min_p": 2}, "min_p"),
+     ({"ignore_eos": "no"}, "ignore_eos"), ({"skip_special_tokens": None}, "skip_special_tokens"),
+     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"), ({"stop": 5}, "stop"),
+     ({"stop_token_ids": 5}, "stop_token_ids")],
 )  # fmt: skip
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"max_num_seqs": 0}, "max_num_seqs"), ({"max_model_len": 0}, "max_model_len"),
+     ({"enable_prefix_caching": "no"}, "enable_prefix_caching"), ({"max_logprobs": -1}, "max_logprobs"),
+     ({"num_kv_tokens": 1.5}, "num_kv_tokens"), ({"seed": "7"}, "seed"), ({"tensor_parallel_size": 0}, "tensor")],
+)  # fmt: skip
+def test_bad_engine_settings_fail_at_construction(kwargs, field):
+    """Once fell back to the default (`x or default`), passed as truthy, or built an engine that failed every
+    request (max_logprobs=-1)."""
+    from jaxinfer.engine.config import EngineArgs
+
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(**kwargs)
+
+
+BAD_CALLS = [
+    ("generate", ({"prompt_token_ids": "123"},), "prompt_token_ids must be a list of integers"),
+    ("generate", ({"prompt_token_ids": [1.7, 2]},), "prompt_token_ids must be a list of integers"),
+    ("generate", ([[True, 2, 3]],), "prompt_token_ids must be a list of integers"),
+    ("generate", ({"prompt": "Hi", "multi_modal_data": {}},), "unsupported key"),
+    ("generate", (None,), "prompts: expected"),
+    ("generate", (5,), "prompts: expected"),
+    ("generate", ("Hi", {"max_tokens": 4}), "sampling_params: expected"),
+    ("chat", ([],), "messages: expected"),
+    ("chat", ("Hello",), "messages: expected"),
+    ("chat", ([{"role": "user"}],), r"messages\[0\].content"),
+    ("chat", ([{"content": "hi"}],), r"messages\[0\]: a message"),
+    ("chat", ([[{"role": "user", "content": "hi"}], []],), r"messages\[1\]: expected a non-empty list"),
+]
+
+
+@pytest.mark.parametrize("method, args, message", BAD_CALLS, ids=[m for _, _, m in BAD_CALLS])
+def test_bad_prompts_and_conversations_name_the_problem(smol, method, args, message):
+    """vLLM's inputs, each wrong in a way that was coerced (a string of digits, floats, bools), dropped (an unknown
+    key, an empty conversation) or failed deep inside (a TypeError, a template's UndefinedError)."""
+    with pytest.raises(ValueError, match=message):
+        getattr(smol, method)(*args)
+    assert not smol.engine.seqs and smol.engine.allocator.num_free == smol.engine.allocator.num_pages
+
+
+def test_token_arrays_generators_and_content_parts(smol):
+    g = SamplingParams(max_tokens=3, temperature=0.0)
+    ids = smol.tokenizer.encode(TEXTS[0])
+    want = smol.generate({"prompt_token_ids": ids}, g, use_tqdm=False)[0].outputs[0].token_ids
+    assert smol.generate(np.array(ids), g, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert [o.outputs[0].token_ids for o in smol.generate((p for p in [ids, ids]), g, use_tqdm=False)] == [want] * 2
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    plain = [{"role": "user", "content": "Hi"}]
+    texts = [smol.chat(msgs, g, use_tqdm=False)[0].outputs[0].text for msgs in (parts, plain)]
+    assert texts[0] == texts[1]
+    made = []
+
+    def bar(**kwargs):  # use_tqdm as vLLM also takes it: a progress-bar factory
+        made.append(kwargs)
+        return tqdm(**{**kwargs, "disable": True})
+
+    smol.generate(TEXTS[0], g, use_tqdm=bar)
+    assert made and made[0]["total"] == 1
 
 
 def test_bad_requests_leave_nothing_behind(smol):
