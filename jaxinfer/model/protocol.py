@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.model.transformer import AttentionFn
+from jaxinfer.config import CUSTOM_ARCH, ModelConfig
+from jaxinfer.model.transformer import AttentionFn, Transformer
 
 
 class ProtocolError(TypeError):
@@ -63,6 +63,12 @@ def check_model(model: Any) -> ModelConfig:
         raise ProtocolError(
             f"{name}.config: missing or not a jaxinfer.config.ModelConfig (got {type(cfg).__name__}); it describes "
             "the KV cache the engine allocates (num_layers, num_kv_heads, head_dim, ...)"
+        )
+    if cfg.arch != CUSTOM_ARCH and not isinstance(model, Transformer):
+        # The engine takes a built-in family's arch for its own module (merges, stacks and caches its layers).
+        raise ProtocolError(
+            f"{name}.config.arch: {cfg.arch!r} names a built-in family; a module of your own takes "
+            f"arch={CUSTOM_ARCH!r} (jaxinfer.model.protocol)"
         )
     for method, sig in (("__call__", "(token_ids, positions, kv_cache, attend)"), ("logits", "(hidden)")):
         if not callable(getattr(type(model), method, None)):

@@ -123,6 +123,8 @@ class WrongHeads(ParallelLM):
         (lambda: SkipsALayer(SMALL, rngs=nnx.Rngs(0)), "must call attend once per layer"),
         (lambda: ReturnsNoCache(SMALL, rngs=nnx.Rngs(0)), r"must return \(hidden, kv_cache\)"),
         (lambda: WrongHeads(nnx.Rngs(0)), r"attend\(q=\.\.\.\) got shape \(1, 2, 4, 8\)"),
+        # a built-in family's arch on a module of one's own: the engine would take it for its own Transformer
+        (lambda: ParallelLM(SMALL.replace(arch="llama"), rngs=nnx.Rngs(0)), r"ParallelLM\.config\.arch: 'llama'"),
     ],
 )
 def test_protocol_violation_names_the_part(make, part):
