@@ -133,8 +133,11 @@ class _View:
             return ""
         return sub.prompt if sub.prompt is not None else self.ctx.tokenizer.decode(sub.prompt_ids, False)
 
-    def _offsets(self, sub: EngineRequest) -> TextOffsets:
-        """Places a choice's tokens in its text (text_offset), detokenized as the engine's output path did."""
+    def _offsets(self, sub: EngineRequest) -> TextOffsets | None:
+        """Places a choice's tokens in its text (text_offset), detokenized as the engine's output path did; None
+        without logprobs, where nothing reads offsets (a detokenizer over the prompt would be wasted work)."""
+        if self.req.logprobs is None:
+            return None
         return TextOffsets(self.ctx.tokenizer, sub.prompt_ids, sub.params.skip_special_tokens)
 
     @property
@@ -142,23 +145,23 @@ class _View:
         """echo with logprobs: the choice's logprobs cover the echoed prompt tokens first (OpenAI, vLLM)."""
         return self.req.echo and self.req.logprobs is not None
 
-    def _sendable(self, c: CompletionOutput, offsets: TextOffsets) -> int:
+    def _sendable(self, c: CompletionOutput, offsets: TextOffsets | None) -> int:
         """How many of a streamed choice's tokens may go out: all once it ended; before that, with logprobs, those
         whose text starts within the text out so far. A later token's place is not known yet: text held back for a
         possible stop string may still be cut before it, and the text out so far is never taken back."""
-        if self.req.logprobs is None or c.finish_reason is not None:
+        if offsets is None or c.finish_reason is not None:
             return len(c.token_ids)
         offsets.extend(c.token_ids)
         return bisect.bisect_right(offsets.starts, len(c.text))
 
     def _choice_logprobs(
-        self, sub: EngineRequest, out: RequestOutput, c: CompletionOutput, offsets: TextOffsets, start: int,
+        self, sub: EngineRequest, out: RequestOutput, c: CompletionOutput, offsets: TextOffsets | None, start: int,
         stop: int, echoed: bool,
     ) -> dict | None:  # fmt: skip
         """Logprobs of the choice's tokens [start, stop), offsets in echo + text; when `echoed`, the echoed
         prompt's tokens come first: the first one unscored (None), the others as the engine scored them given the
         tokens before them."""
-        if self.req.logprobs is None:
+        if offsets is None:  # no logprobs asked for
             return None
         echo = self._echo(sub)
         offsets.extend(c.token_ids)
@@ -211,7 +214,7 @@ class _View:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         sent_chars: dict[int, int] = {}  # choice index -> characters of its text already sent (echo excluded)
         sent_tokens: dict[int, int] = {}
-        offsets: dict[int, TextOffsets] = {}  # choice index -> where its tokens start in its text
+        offsets: dict[int, TextOffsets | None] = {}  # choice index -> where its tokens start in its text
         finished: set[int] = set()
         streams = [run_request(self.ctx.state, self.ctx.metrics, s, admission, i) for i, s in enumerate(self.subs)]
         last: list[RequestOutput | None] = [None] * len(self.subs)
