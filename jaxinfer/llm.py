@@ -27,7 +27,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputAccumulator, OutputProcessor
 from jaxinfer.host_memory import heap_frozen
 from jaxinfer.model_files import DEFAULT_MODEL
-from jaxinfer.types import RequestOutput, SamplingParams
+from jaxinfer.types import RequestOutput, SamplingParams, is_integer
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -200,6 +200,7 @@ def _is_token_ids(prompt: object) -> bool:
     """Whether `prompt` is one prompt of token ids (a list, tuple or 1-D array of ints), not a list of prompts."""
     if isinstance(prompt, np.ndarray):
         return prompt.ndim == 1
+    # a bool first still reads as token ids, so that `_token_ids` names the bad element
     return isinstance(prompt, list | tuple) and len(prompt) > 0 and isinstance(prompt[0], numbers.Integral)
 
 
@@ -207,13 +208,9 @@ def _token_ids(ids: object) -> list[int]:
     """`ids` as a list of ints; ValueError for anything else (a string, floats, bools), which int() would coerce."""
     if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
         return ids.tolist()
-    if not isinstance(ids, list | tuple) or not all(_is_int(t) for t in ids):
+    if not isinstance(ids, list | tuple) or not all(is_integer(t) for t in ids):
         raise ValueError(f"prompts: prompt_token_ids must be a list of integers, got {ids!r:.80}")
     return [int(t) for t in ids]
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _conversation(conv: object, where: str) -> list[dict]:

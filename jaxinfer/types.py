@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
+
+
+def is_integer(x: object) -> bool:
+    """An integer a caller may hand over (numpy's included), and not a bool: int() would take True as 1, and 1.7 as
+    1. (SamplingParams' own fields take Python ints only: they cross to the engine's process as msgpack.)"""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check(cond: bool, name: str, msg: str) -> None:

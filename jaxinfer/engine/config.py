@@ -10,12 +10,12 @@ Host-only (no jax): the HTTP process validates requests against these without im
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from jaxinfer.model_files import DEFAULT_MODEL
+from jaxinfer.types import is_integer
 
 LAYER_LOOPS = ("auto", "scan", "unroll")
 
@@ -151,7 +151,7 @@ def _check_int(args: EngineArgs, name: str, low: int | None, optional: bool = Fa
     value = getattr(args, name)
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_integer(value):
         raise ValueError(f"{name}: must be an integer{' or None' if optional else ''}, got {value!r}")
     if low is not None and value < low:
         raise ValueError(f"{name}: must be >= {low}, got {value}")

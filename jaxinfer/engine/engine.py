@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import os
 import random
 import time
@@ -33,7 +32,7 @@ from jaxinfer.engine.scheduler import Evicted, Load, Scheduler
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
 from jaxinfer.step import SeqChunk
-from jaxinfer.types import Request, SamplingParams, SeqTiming, SeqUpdate, Status
+from jaxinfer.types import Request, SamplingParams, SeqTiming, SeqUpdate, Status, is_integer
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +194,8 @@ class Engine:
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """Raises ValueError naming the problem; returns the prompt as a list of ints."""
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids):
-            raise ValueError("prompt: token ids must be integers")  # int() would truncate 1.7 and take True as 1
+        if not all(is_integer(t) for t in prompt_token_ids):
+            raise ValueError("prompt: token ids must be integers")
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("prompt: needs at least one token")
