@@ -11,7 +11,6 @@ model without restarting.
 
 from __future__ import annotations
 
-import gc
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -25,7 +24,7 @@ from jaxinfer.engine.build import build_engine
 from jaxinfer.engine.config import EngineArgs
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputAccumulator, OutputProcessor
-from jaxinfer.host_memory import heap_frozen
+from jaxinfer.host_memory import heap_frozen, release_freed_memory
 from jaxinfer.model_files import DEFAULT_MODEL
 from jaxinfer.types import RequestOutput, SamplingParams, is_integer
 
@@ -181,7 +180,9 @@ class LLM:
             e.runner.params = e.runner.weights = e.runner.kv = e.runner.feed = None
         self.engine = None
         jax.clear_caches()
-        gc.collect()
+        # glibc keeps the freed weights' and pool's blocks in its heap: without the trim a notebook's RSS stayed
+        # ~150-450 MiB above what it held before LLM() after each close (the default model, 12 cycles).
+        release_freed_memory()
 
     def __enter__(self) -> LLM:
         return self
