@@ -25,6 +25,7 @@ from jaxinfer.engine.config import EngineArgs
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.output import OutputAccumulator, OutputProcessor
 from jaxinfer.host_memory import heap_frozen, release_freed_memory
+from jaxinfer.model.transformer import Params
 from jaxinfer.model_files import DEFAULT_MODEL
 from jaxinfer.types import RequestOutput, SamplingParams, is_integer
 
@@ -165,6 +166,14 @@ class LLM:
 
     # ------------------------------------------------------------------------------------------ lifetime
 
+    def update_weights(self, model: nnx.Module | Params) -> None:
+        """Generates from new values of the same model from here on: your module after training steps (a jit that
+        donates its arrays deletes the ones the engine holds), or a family's state as `jaxinfer.weights` loads it.
+        Same structure, shapes and dtypes, so nothing compiles again; the prefix cache is dropped."""
+        if self.engine is None:
+            raise RuntimeError("this LLM is closed")
+        self.engine.update_weights(model)
+
     def close(self) -> None:
         """Frees the weights, the KV pools and the compiled steps. The object cannot generate afterwards."""
         if self.engine is None:
@@ -174,10 +183,8 @@ class LLM:
             if e.host is not None:
                 e.host.clear()
             # Deleted, not only dropped: a caller may still hold the engine (an AsyncEngine over it, a notebook name).
-            for x in jax.tree.leaves((e.runner.params, e.runner.weights, e.runner.kv, e.runner.feed)):
-                if isinstance(x, jax.Array) and not x.is_deleted():
-                    x.delete()
-            e.runner.params = e.runner.weights = e.runner.kv = e.runner.feed = None
+            # A module of the caller's own keeps its arrays.
+            e.runner.release()
         self.engine = None
         jax.clear_caches()
         # glibc keeps the freed weights' and pool's blocks in its heap: without the trim a notebook's RSS stayed

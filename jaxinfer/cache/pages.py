@@ -142,6 +142,14 @@ class PageAllocator:
         if entry is not None:
             del self._page_of[entry[0]]
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (the KV they hold no longer fits the weights): released ones become free
+        pages, held ones stay with their holders, uncached."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._page_of.clear()
+        self._block_of.clear()
+
     def register(self, page: int, parent: int | None, tokens: Sequence[int]) -> int:
         """Records that `page` holds the full block `tokens` following block `parent`; returns its hash."""
         block = tuple(tokens)

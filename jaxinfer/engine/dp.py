@@ -69,6 +69,13 @@ class DataParallelEngine:
         self._owner: dict[str, Engine] = {}
         self._ids = itertools.count()
 
+    def update_weights(self, params: Params) -> None:
+        """`Engine.update_weights` on every replica; `params` placed as at construction (the first replica's mesh)."""
+        if self.has_unfinished():
+            raise RuntimeError("update_weights: requests are still running; update the weights between them")
+        for e in self.replicas:
+            e.update_weights(params if e is self.replicas[0] else copy_to_mesh(params, e.runner.mesh))
+
     def largest(self) -> Engine:
         """The replica with the largest KV pool: the one whose limits the API side checks first."""
         return max(self.replicas, key=lambda e: e.allocator.num_pages)

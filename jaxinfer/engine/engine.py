@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from jaxinfer.cache.host_tier import HostTier, host_tier_bytes
@@ -141,6 +142,18 @@ class Engine:
     def release_sessions(self) -> None:
         """Releases every pinned session (shutdown): their pages go back to the pool."""
         self.sessions.release_all()
+
+    def update_weights(self, params: Params | nnx.Module) -> None:
+        """Serves the next requests with new values of the same model (`ModelRunner.update_weights`): a module after
+        training steps, say. Between requests only. The KV cached for prefixes, sessions and the host tier was
+        computed with the old weights, so it is dropped."""
+        if self.has_unfinished():
+            raise RuntimeError("update_weights: requests are still running; update the weights between them")
+        self.runner.update_weights(params)
+        self.release_sessions()
+        self.allocator.reset_prefix_cache()
+        if self.host is not None:
+            self.host.clear()
 
     def _move_kv(self) -> None:
         """Turns the scheduler's evictions and host hits into page copies, before the step is dispatched: cached
@@ -299,9 +312,13 @@ class Engine:
     def _fail_step(self, batch: list, error: BaseException) -> None:
         """A step failed as a whole: its requests end with "error". Raises EngineFatalError when the device state
         did not survive (an error that happened on the device poisons the KV pool the step returned)."""
+        msg = f"the engine step failed: {type(error).__name__}: {error}"
+        if any(isinstance(w, jax.Array) and w.is_deleted() for w in self.runner.weights):
+            msg = ("the model's weights were deleted or donated after the engine was built (by a jit with "
+                   "donate_argnums over the module, say): pass the new ones to update_weights()")  # fmt: skip
         for s in batch:
             if s.req.status is not Status.FINISHED:
-                self._fail(s.req, f"the engine step failed: {type(error).__name__}: {error}")
+                self._fail(s.req, msg)
         try:
             jax.block_until_ready((self.runner.kv, self.runner.feed))
         except Exception as e:

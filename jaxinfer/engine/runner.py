@@ -277,6 +277,17 @@ def size_pool(cfg: ModelConfig, cc: CacheConfig, mesh: Mesh | None = None) -> Po
     )  # fmt: skip
 
 
+def _buffers(tree: object) -> frozenset[int]:
+    """The device buffers under the jax arrays of `tree` (a pytree or a module), by address."""
+    leaves = jax.tree.leaves(nnx.state(tree) if isinstance(tree, nnx.Module) else tree)
+    return frozenset(
+        shard.data.unsafe_buffer_pointer()
+        for x in leaves
+        if isinstance(x, jax.Array) and not x.is_deleted()
+        for shard in x.addressable_shards
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -292,6 +303,9 @@ class ModelRunner:
         `donate_params`: the caller gives `params` up; arrays the runner copies into its own layout are deleted
         (`ScannedTransformer(donate=True)`)."""
         self.cfg, self.cc, self.attn_impl, self.mesh = cfg, cache, attn_impl, mesh
+        # The caller's buffers, which `release` must not delete: the runner's weights share them where it made no
+        # copy (`device_put` onto the device they are on returns a new array over the same buffer).
+        self._borrowed = frozenset() if donate_params else _buffers(params)
         sized = size_pool(cfg, cache, mesh)
         self.num_pages = sized.num_pages
         self.followers = None  # a jaxinfer.distributed.Followers on the lead process of a multi-process mesh
@@ -304,20 +318,10 @@ class ModelRunner:
         shape = pool_shape(cfg, self.num_pages, cache.block_size, mesh)
         self.layer_loop, why_loop = choose_layer_loop(cache.layer_loop, cfg, mesh, jax.default_backend())
         if self.layer_loop == "scan":
-            from jaxinfer.model.transformer import merge
-
-            model = params if isinstance(params, nnx.Module) else merge(cfg, params)
-            params = ScannedTransformer(model, donate=donate_params)
-            if donate_params:
-                release_freed_memory()  # the deleted arrays' heap back to the OS before the pool is allocated
             shape = (cfg.num_layers * shape[0], *shape[1:])  # one pool pair for all layers, carried through the loop
         log.info("layer loop: %s (%s)", self.layer_loop, why_loop)
-        # Split once: the steps take the weights as a flat list and merge inside (jaxinfer.model.functional).
-        self.model_def, self.weights = split_model(cfg, params)
+        self.model_def, self.weights = self._lay_out(params, donate_params)
         if mesh is None:
-            # NOTE: arrays are committed to the device up front. A step's outputs are committed, and jit keys its
-            # cache on committedness, so uncommitted first inputs would compile every bucket a second time.
-            self.weights = jax.device_put(self.weights, jax.devices()[0])
             self._replicated = jax.devices()[0]
             pool = SingleDeviceSharding(jax.devices()[0])
         else:
@@ -362,6 +366,56 @@ class ModelRunner:
                 self.cc.pages_per_seq,
             ),
         )  # fmt: skip
+
+    def _lay_out(self, params: Params | nnx.Module, donate: bool) -> tuple[ModelDef, list[jax.Array]]:
+        """The steps' (ModelDef, flat weight list) for `params`: stacked for the scanned layer loop, committed to the
+        device. Split once: the steps take the weights as a flat list and merge inside (jaxinfer.model.functional)."""
+        if self.layer_loop == "scan":
+            from jaxinfer.model.transformer import merge
+
+            model = params if isinstance(params, nnx.Module) else merge(self.cfg, params)
+            params = ScannedTransformer(model, donate=donate)
+            if donate:
+                release_freed_memory()  # the deleted arrays' heap back to the OS before the pool is allocated
+        model_def, weights = split_model(self.cfg, params)
+        if self.mesh is None:
+            # NOTE: arrays are committed to the device up front. A step's outputs are committed, and jit keys its
+            # cache on committedness, so uncommitted first inputs would compile every bucket a second time.
+            weights = jax.device_put(weights, jax.devices()[0])
+        return model_def, weights
+
+    def update_weights(self, params: Params | nnx.Module) -> None:
+        """Runs the next steps on `params`: the same model with new values (a module after training steps, say), of
+        the same structure, shapes, dtypes and placement, so every compiled step still fits. On a mesh a user module
+        is placed from its logical axes; a family's state must already be placed (jaxinfer.weights.load_weights)."""
+        if self.mesh is not None and isinstance(params, nnx.Module):
+            from jaxinfer.sharding import place_module
+
+            params = place_module(self.cfg, params, self.mesh)
+        borrowed = _buffers(params)
+        model_def, weights = self._lay_out(params, donate=False)
+        if (model_def.graphdef, model_def.treedef) != (self.model_def.graphdef, self.model_def.treedef):
+            raise ValueError("update_weights: the new weights are not the engine's model (its modules or state differ)")
+        for path, old, new in zip(jax.tree_util.tree_leaves_with_path(self.params), self.weights, weights, strict=True):
+            if (old.shape, old.dtype, old.sharding) != (new.shape, new.dtype, new.sharding):
+                raise ValueError(
+                    f"update_weights: {jax.tree_util.keystr(path[0])} is {new.dtype}{list(new.shape)} on "
+                    f"{new.sharding}, the engine's is {old.dtype}{list(old.shape)} on {old.sharding}"
+                )
+        for x in self.weights:  # the old values the runner owns (copies it made), not the caller's
+            if not x.is_deleted() and not _buffers(x) & self._borrowed:
+                x.delete()
+        self.weights, self._borrowed = weights, borrowed
+        self.params = self.model_def.state(weights)
+
+    def release(self) -> None:
+        """Deletes the device arrays the runner owns (KV pools, step feed, the weights it loaded or copied) and drops
+        the rest: a caller's own module or weights stay usable. The runner cannot run steps afterwards."""
+        for x in jax.tree.leaves((self.params, self.weights, self.kv, self.feed)):
+            if isinstance(x, jax.Array) and not x.is_deleted() and not _buffers(x) & self._borrowed:
+                x.delete()
+        self.params = self.weights = self.kv = self.feed = None
+        self._compiled.clear()
 
     def family_params(self) -> Params:
         """The weights in the built-in family's own layout (`jaxinfer.model.transformer`), for the reference paths

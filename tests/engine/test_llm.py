@@ -284,6 +284,37 @@ def test_thousand_requests_with_random_aborts_return_every_page(tiny):
     assert not eng.seqs and not eng.groups
 
 
+def _greedy(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    rids = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
+    tokens: dict[str, list[int]] = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for u in eng.step():
+            tokens[u.request_id] += u.new_token_ids
+    return [tokens[r] for r in rids]
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+def test_update_weights_of_a_family_state(tiny, layer_loop):
+    from jaxinfer.engine.runner import compile_count
+
+    cfg, params = tiny
+    cache = CacheConfig(block_size=4, num_pages=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                        layer_loop=layer_loop)  # fmt: skip
+    prompts = [list(range(1, 14)), list(range(1, 14)) + [5, 6], [7, 8, 9]]  # a shared prefix of whole pages
+    eng = Engine(cfg, params, cache)
+    before = _greedy(eng, prompts)
+    trained = init_params(cfg, seed=1, std=0.5)
+    compiles = compile_count()
+    eng.update_weights(trained)
+    after = _greedy(eng, prompts)
+    assert compile_count() == compiles
+    assert after == _greedy(Engine(cfg, trained, cache), prompts) != before  # no stale prefix-cache hit
+    eng.runner.release()
+    # The caller's arrays (shared with the engine where it made no copy) stay usable.
+    assert not any(x.is_deleted() for x in jax.tree.leaves((params, trained)))
+    assert _greedy(Engine(cfg, params, cache), prompts) == before
+
+
 def test_async_engine_streams_and_aborts(tiny):
     from jaxinfer.tokenizer import load_tokenizer
 

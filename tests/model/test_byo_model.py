@@ -81,6 +81,57 @@ def test_entry_point_string_loads_the_module():
         build_engine(EngineArgs("no_such_module:build", tokenizer=tok, **SETTINGS))
 
 
+# ---------------------------------------------------------------------------------------------- the caller's module
+
+PROMPT = list(range(5, 30))  # three pages and a part: a prefix the cache keeps
+
+
+def test_closing_an_llm_leaves_the_module_whole():
+    m = model()
+    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    want = own_greedy_loop(m, PROMPT, NEW)
+    first, second = LLM(m, tokenizer=TOKENIZER, **SETTINGS), LLM(m, tokenizer=TOKENIZER, **SETTINGS)
+    first.generate([PROMPT], greedy, use_tqdm=False)
+    first.close()  # the engine's KV pools go; the module's arrays, shared by both engines, stay
+    assert not any(x.is_deleted() for x in jax.tree.leaves(nnx.state(m)))
+    assert list(second.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids) == want
+    del second  # dropped, not closed: __del__ closes it
+    assert own_greedy_loop(m, PROMPT, NEW) == want
+
+
+@nnx.jit(donate_argnums=0)
+def _train_step(m: ParallelLM) -> None:
+    """Stands for an optimizer step: new values for every parameter, the old arrays donated (deleted)."""
+    nnx.update(m, jax.tree.map(lambda p: -1.5 * p, nnx.state(m, nnx.Param)))
+
+
+def test_update_weights_after_a_donating_train_step():
+    from jaxinfer.engine.runner import compile_count
+
+    m = model()
+    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    with LLM(m, tokenizer=TOKENIZER, **SETTINGS) as llm:
+        before = list(llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        assert before == own_greedy_loop(model(), PROMPT, NEW)  # an equal module: m's arrays go to the train step
+        _train_step(m)
+        out = llm.generate([PROMPT], greedy, use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "error" and "update_weights" in out.error
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+        compiles = compile_count()
+        llm.update_weights(m)
+        after = list(llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        # The prompt's blocks were cached under the old weights: a stale hit would return the old model's tokens.
+        assert after == own_greedy_loop(m, PROMPT, NEW) != before
+        assert compile_count() == compiles
+        half = model()
+        half.blocks[1].up.kernel.set_value(half.blocks[1].up.kernel.get_value().astype(jnp.bfloat16))
+        with pytest.raises(ValueError, match=r"update_weights: .*blocks.*1.*up.*bfloat16\[32, 64\]"):
+            llm.update_weights(half)
+        with pytest.raises(ValueError, match="not the engine's model"):
+            llm.update_weights(ParallelLM(CONFIG.replace(intermediate_size=32), rngs=nnx.Rngs(0)))
+        assert list(llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids) == after
+
+
 # ---------------------------------------------------------------------------------------------- broken modules
 
 SMALL = CONFIG.replace(vocab_size=16)

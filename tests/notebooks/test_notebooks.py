@@ -18,7 +18,7 @@ import pytest
 from nbclient import NotebookClient
 
 REPO = Path(__file__).resolve().parents[2]
-NOTEBOOKS = ["quickstart", "serving", "research_batch", "colab_tpu_gpu"]
+NOTEBOOKS = ["quickstart", "serving", "research_batch", "colab_tpu_gpu", "byo_flax_model"]
 
 
 def _read(name: str) -> nbformat.NotebookNode:

@@ -86,6 +86,20 @@ def test_random_model_every_mesh_matches_one_device(dp, tp):
 
 
 @child_only
+@pytest.mark.parametrize("dp, tp", [(1, 4), (2, 2)])
+def test_update_weights_on_a_mesh(dp, tp):
+    """New values placed as the loaders place them (the first replica's mesh): every replica runs on them."""
+    cfg, params, ref = _tiny_model_and_reference()
+    new = jax.tree.map(np.asarray, init_params(cfg, seed=3, std=0.3))
+    want = _greedy(_engine(cfg, new, None), _prompts(cfg.vocab_size))
+    mesh = make_mesh(tp, dp)
+    eng = _engine(cfg, params, mesh)
+    assert _greedy(eng, _prompts(cfg.vocab_size)) == ref
+    eng.update_weights(build_on_mesh(cfg, getter_for(cfg, new), "float32", replica_meshes(mesh)[0])[1])
+    assert _greedy(eng, _prompts(cfg.vocab_size)) == want != ref
+
+
+@child_only
 def test_checkpoint_restores_onto_the_default_device(tmp_path):
     """A checkpoint written from one device restores where new arrays land now (`jax.default_device`), as a CPU
     run on a GPU host needs: without a named target orbax placed it as saved (here device 0; on an H200, a
