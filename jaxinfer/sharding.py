@@ -127,8 +127,15 @@ def placer(cfg: ModelConfig, mesh: Mesh, dtype: str):
 
 
 def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
-    """NamedShardings for every parameter of a (possibly abstract) nnx state, from its logical axis metadata."""
-    return nnx.map_state(lambda _, v: v.replace(NamedSharding(mesh, spec(var_axes(v), mesh))), state)
+    """NamedShardings for every parameter of a (possibly abstract) nnx state, from its logical axis metadata. A
+    plain array attribute of a module (a table it built, say) has no metadata: replicated."""
+
+    def sharding(_, v):
+        if isinstance(v, nnx.Variable):
+            return v.replace(NamedSharding(mesh, spec(var_axes(v), mesh)))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return nnx.map_state(sharding, state)
 
 
 def place_state(cfg: ModelConfig, state: nnx.State, mesh: Mesh) -> tuple[ModelConfig, nnx.State]:

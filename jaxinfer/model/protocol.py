@@ -16,10 +16,11 @@ A servable model is an `nnx.Module` with:
                            engine's paged pools (the Pallas kernels through their dispatcher), or on a contiguous
                            cache (`jaxinfer.generate`). Call it once per layer, with k and v before any cache.
     hidden     f[B, T, D]  the final hidden states (after the final norm)
-- `logits(hidden f[..., D]) -> f32[..., V]`.
+- `logits(hidden f[N, D]) -> f32[N, V]`: the engine calls it on the rows it samples from (2-D).
 
 The module holds weights only (no cache, no step counter): the engine splits it once into (graphdef, state) and
-its compiled steps merge it inside, so a module that mutates itself in `__call__` is not servable.
+its compiled steps merge it inside, so a module that mutates itself in `__call__` is not servable. That includes
+dropout left on and batch norm collecting statistics: call `model.eval()` first.
 `check_model` verifies all of this at load time by tracing one abstract call, and names the part that is missing.
 Sampling, paged KV, continuous batching, prefix caching and sharding (from each Param's `out_sharding` logical
 axes, see `jaxinfer.sharding.RULES`) are the engine's and apply unchanged.
@@ -78,10 +79,24 @@ def check_model(model: Any) -> ModelConfig:
 
 
 def _check_abstract_call(model: nnx.Module, cfg: ModelConfig, name: str) -> None:
-    """One call on abstract values (nothing computed): shapes in and out, one attend per layer, the cache returned."""
-    b, t = 1, 2
+    """One call on abstract values (nothing computed): shapes in and out, one attend per layer on that layer's cache
+    entry, the entries attend returned given back, the module's state unchanged, logits on 2-D rows."""
+    b, t, n = 1, 2, cfg.num_layers
     calls: list[int] = []
     want_q, want_kv = (b, t, cfg.num_heads, cfg.head_dim), (b, t, cfg.num_kv_heads, cfg.head_dim)
+
+    # Each layer's entry, and what attend returns for it, is told apart by its shape: (i + 1,) in, (i + 1, 2) out.
+    def entry(i: int, out: bool) -> tuple[jax.Array, jax.Array]:
+        shape = (i + 1, 2) if out else (i + 1,)
+        return jnp.zeros(shape), jnp.zeros(shape)
+
+    def layer_of(cache: Any, out: bool) -> int | None:
+        leaves = jax.tree.leaves(cache)
+        shapes = {tuple(getattr(x, "shape", ())) for x in leaves}
+        if len(leaves) != 2 or len(shapes) != 1:
+            return None
+        (shape,) = shapes
+        return shape[0] - 1 if len(shape) == (2 if out else 1) and shape[0] >= 1 else None
 
     def attend(i, q, k, v, cache):
         calls.append(i)
@@ -91,36 +106,69 @@ def _check_abstract_call(model: nnx.Module, cfg: ModelConfig, name: str) -> None
                     f"{name}.__call__: attend({part}=...) got shape {tuple(x.shape)} in layer {i}; the config says "
                     f"[B, T, heads, head_dim] = {want}"
                 )
-        return jnp.zeros(q.shape, q.dtype), cache
+        j = layer_of(cache, out=False)
+        if j != i:
+            given = "something else" if j is None else f"kv_cache[{j}]"
+            raise ProtocolError(f"{name}.__call__: attend for layer {i} got {given}; pass it kv_cache[{i}]")
+        return jnp.zeros(q.shape, q.dtype), entry(i, out=True)
 
     graphdef, state = nnx.split(model)
 
     def run(state):
+        before = _leaves(state)  # now: merge shares the state's Variables, and a call that updates one updates it
         m = nnx.merge(graphdef, state)
         tokens, positions = jnp.zeros((b, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None]
-        cache = [(jnp.zeros(()), jnp.zeros(())) for _ in range(cfg.num_layers)]
-        out = m(tokens, positions, cache, attend)
+        out = m(tokens, positions, [entry(i, out=False) for i in range(n)], attend)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise ProtocolError(f"{name}.__call__: must return (hidden, kv_cache), got {type(out).__name__}")
         hidden, new_cache = out
-        if not isinstance(new_cache, list | tuple) or len(new_cache) != cfg.num_layers:
+        if not isinstance(new_cache, list | tuple) or len(new_cache) != n:
+            raise ProtocolError(f"{name}.__call__: must return the kv_cache as a list of config.num_layers={n} entries")
+        if sorted(calls) != list(range(n)):
             raise ProtocolError(
-                f"{name}.__call__: must return the kv_cache as a list of config.num_layers={cfg.num_layers} entries"
+                f"{name}.__call__: must call attend once per layer 0..{n - 1} (config.num_layers), called it for "
+                f"layers {calls}"
             )
+        for i, c in enumerate(new_cache):
+            if layer_of(c, out=True) != i:
+                raise ProtocolError(
+                    f"{name}.__call__: the returned kv_cache[{i}] is not what attend returned for layer {i}; "
+                    "return each layer's new entry (the cache it was given holds none of the new tokens)"
+                )
         if getattr(hidden, "ndim", None) != 3 or tuple(hidden.shape[:2]) != (b, t):
             raise ProtocolError(f"{name}.__call__: hidden must be f[B, T, D], got {getattr(hidden, 'shape', hidden)}")
-        return m.logits(hidden)
+        try:
+            logits = m.logits(hidden[0])  # as the engine calls it: the rows it samples from, f[N, D]
+        except ProtocolError:
+            raise
+        except Exception as e:  # re-raised as the part of the protocol it breaks, with its cause
+            raise ProtocolError(
+                f"{name}.logits(hidden f[N, D]) failed ({type(e).__name__}: {e}); the engine calls it on the 2-D "
+                "rows it samples from"
+            ) from e
+        changed = _changed_paths(before, _leaves(nnx.split(m)[1]))
+        if changed:
+            raise ProtocolError(
+                f"{name}.__call__/logits change the module's state ({', '.join(changed[:4])}): the engine runs a fixed "
+                "copy of the weights, so the change is lost and every step computes something else. Dropout left "
+                "on or batch norm collecting statistics does this: call model.eval() first"
+            )
+        return logits
 
     logits = jax.eval_shape(run, state)
-    if sorted(calls) != list(range(cfg.num_layers)):
+    if tuple(logits.shape) != (t, cfg.vocab_size):
         raise ProtocolError(
-            f"{name}.__call__: must call attend once per layer 0..{cfg.num_layers - 1} (config.num_layers), "
-            f"called it for layers {calls}"
+            f"{name}.logits: must map f[N, D] to f32[N, vocab_size={cfg.vocab_size}], got {tuple(logits.shape)}"
         )
-    if tuple(logits.shape) != (b, t, cfg.vocab_size):
-        raise ProtocolError(
-            f"{name}.logits: must map f[..., D] to f32[..., vocab_size={cfg.vocab_size}], got {tuple(logits.shape)}"
-        )
+
+
+def _leaves(state: nnx.State) -> dict:
+    return dict(jax.tree_util.tree_flatten_with_path(state)[0])
+
+
+def _changed_paths(before: dict, after: dict) -> list[str]:
+    """The state paths whose value a call replaced (or added, or removed): identity of the traced leaves."""
+    return sorted(jax.tree_util.keystr(p) for p in before.keys() | after.keys() if before.get(p) is not after.get(p))
 
 
 def is_entry_point(spec: str) -> bool:

@@ -159,6 +159,40 @@ class ReturnsNoCache(ParallelLM):
         return super().__call__(token_ids, positions, kv_cache, attend)[0]
 
 
+class ForgetsCache(ParallelLM):
+    def __call__(self, token_ids, positions, kv_cache, attend):
+        return super().__call__(token_ids, positions, kv_cache, attend)[0], kv_cache
+
+
+class OneCacheForAll(ParallelLM):
+    def __call__(self, token_ids, positions, kv_cache, attend):
+        return super().__call__(token_ids, positions, [kv_cache[0]] * len(kv_cache), attend)
+
+
+class WithDropout(ParallelLM):
+    def __init__(self, cfg, rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def logits(self, hidden):
+        return super().logits(self.drop(hidden))
+
+
+class BatchNormed(ParallelLM):
+    def __init__(self, cfg, rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.bn = nnx.BatchNorm(cfg.hidden_size, rngs=rngs)
+
+    def __call__(self, token_ids, positions, kv_cache, attend):
+        hidden, cache = super().__call__(token_ids, positions, kv_cache, attend)
+        return self.bn(hidden), cache
+
+
+class Logits3D(ParallelLM):
+    def logits(self, hidden):
+        return jnp.einsum("btd,vd->btv", hidden, self.embed.embedding[...])
+
+
 class WrongHeads(ParallelLM):
     def __init__(self, rngs):
         super().__init__(SMALL, rngs=rngs)
@@ -174,6 +208,12 @@ class WrongHeads(ParallelLM):
         (lambda: SkipsALayer(SMALL, rngs=nnx.Rngs(0)), "must call attend once per layer"),
         (lambda: ReturnsNoCache(SMALL, rngs=nnx.Rngs(0)), r"must return \(hidden, kv_cache\)"),
         (lambda: WrongHeads(nnx.Rngs(0)), r"attend\(q=\.\.\.\) got shape \(1, 2, 4, 8\)"),
+        (lambda: ForgetsCache(SMALL, rngs=nnx.Rngs(0)), r"returned kv_cache\[0\] is not what attend returned"),
+        (lambda: OneCacheForAll(SMALL, rngs=nnx.Rngs(0)), r"attend for layer 1 got kv_cache\[0\]"),
+        # the classic: a module trained with dropout (or batch norm) and served without model.eval()
+        (lambda: WithDropout(SMALL, nnx.Rngs(0)), r"change the module's state \(.*drop.*model\.eval\(\)"),
+        (lambda: BatchNormed(SMALL, nnx.Rngs(0)), r"change the module's state \(.*bn.*mean"),
+        (lambda: Logits3D(SMALL, rngs=nnx.Rngs(0)), r"Logits3D\.logits\(hidden f\[N, D\]\) failed"),
         # a built-in family's arch on a module of one's own: the engine would take it for its own Transformer
         (lambda: ParallelLM(SMALL.replace(arch="llama"), rngs=nnx.Rngs(0)), r"ParallelLM\.config\.arch: 'llama'"),
     ],
@@ -181,6 +221,13 @@ class WrongHeads(ParallelLM):
 def test_protocol_violation_names_the_part(make, part):
     with pytest.raises(ProtocolError, match=part):
         check_model(make())
+
+
+@pytest.mark.parametrize("make", [WithDropout, BatchNormed])
+def test_a_module_in_eval_mode_passes(make):
+    m = make(SMALL, nnx.Rngs(0))
+    m.eval()
+    assert check_model(m) == SMALL
 
 
 def test_violation_fails_at_load_time(llm):

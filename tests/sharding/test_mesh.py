@@ -23,7 +23,7 @@ if CHILD:
     from jaxinfer.model import init_params
     from jaxinfer.model.attention import init_contiguous_cache
     from jaxinfer.model_files import smollm2_gguf
-    from jaxinfer.sharding import ShardingError, make_mesh, placer, sharded_config
+    from jaxinfer.sharding import ShardingError, make_mesh, place_module, placer, sharded_config
     from jaxinfer.types import SamplingParams
     from jaxinfer.weights import load_weights
     from jaxinfer.weights.checkpoint import restore_checkpoint, save_checkpoint
@@ -223,7 +223,6 @@ def test_sharded_steps_compile_nothing_after_warmup():
 @child_only
 def test_user_module_tensor_parallel_matches_one_device():
     """A user nnx.Module (not a built-in family) is split over the mesh from its Params' logical axes."""
-    from jaxinfer.sharding import place_module
     from tests.model.byo_model import CONFIG, model
 
     prompts = _prompts(CONFIG.vocab_size)
@@ -232,3 +231,27 @@ def test_user_module_tensor_parallel_matches_one_device():
     sharded = place_module(CONFIG, model(), mesh)
     assert sharded.blocks[0].q.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "model")
     assert _greedy(Engine(CONFIG, sharded, CacheConfig(**CC), mesh=mesh), prompts) == ref
+
+
+@child_only
+def test_user_module_with_a_plain_array_on_a_mesh_takes_new_weights():
+    """A plain array attribute (no Param, no logical axes) is replicated; `update_weights` places a new module's
+    values from their logical axes as the build did."""
+    from flax import nnx
+
+    from tests.model.byo_model import CONFIG, ParallelLM
+
+    class WithTable(ParallelLM):
+        def __init__(self, seed: int):
+            super().__init__(CONFIG, rngs=nnx.Rngs(seed))
+            self.table = jax.random.normal(jax.random.key(seed), (CONFIG.hidden_size,))
+
+        def logits(self, hidden):
+            return super().logits(hidden + self.table)
+
+    prompts, mesh = _prompts(CONFIG.vocab_size), make_mesh(2, 1)
+    refs = [_greedy(Engine(CONFIG, WithTable(seed), CacheConfig(**CC)), prompts) for seed in (0, 1)]
+    eng = Engine(CONFIG, place_module(CONFIG, WithTable(0), mesh), CacheConfig(**CC), mesh=mesh)
+    assert _greedy(eng, prompts) == refs[0]
+    eng.update_weights(WithTable(1))
+    assert _greedy(eng, prompts) == refs[1] != refs[0]
