@@ -4,6 +4,7 @@ in-process server) and the CLI all call it, so a setting means the same thing ev
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import jax
@@ -121,6 +122,11 @@ def _load(model: str | nnx.Module, tokenizer: Tokenizer | str | None, dtype: str
         return loaded.config, loaded.params, tokenizer
     module, built_tokenizer = load_entry_point(model) if isinstance(model, str) else (model, None)
     cfg = check_model(module)  # raises naming the missing part of the protocol
+    if dtype not in ("auto", cfg.dtype):
+        raise ValueError(
+            f"dtype: {dtype!r}, but a module of your own runs in the dtype of its arrays (its config.dtype is "
+            f"{cfg.dtype!r}, the KV cache's): cast its parameters and set config.dtype, or leave dtype 'auto'"
+        )
     tokenizer = _tokenizer(tokenizer or built_tokenizer)
     if tokenizer is None:
         raise ValueError("tokenizer: a user model needs one, e.g. LLM(my_module, tokenizer='smollm2-135m-instruct')")
@@ -131,5 +137,12 @@ def _load(model: str | nnx.Module, tokenizer: Tokenizer | str | None, dtype: str
     return cfg, module, tokenizer
 
 
-def _tokenizer(tokenizer: Tokenizer | str | None) -> Tokenizer | None:
-    return load_tokenizer(resolve_model_path(tokenizer)) if isinstance(tokenizer, str) else tokenizer
+def _tokenizer(tokenizer: Tokenizer | str | os.PathLike | None) -> Tokenizer | None:
+    if isinstance(tokenizer, str | os.PathLike):
+        return load_tokenizer(resolve_model_path(os.fspath(tokenizer)))
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise TypeError(
+            f"tokenizer: expected a model name or path (or a jaxinfer.tokenizer.Tokenizer), got "
+            f"{type(tokenizer).__name__}"
+        )
+    return tokenizer

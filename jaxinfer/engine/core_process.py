@@ -46,6 +46,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from jaxinfer.config import ModelConfig
 from jaxinfer.engine.outbox import RESULTS_HWM, ResultsOutbox
 from jaxinfer.host_memory import freeze_for_good, gc_paused
 from jaxinfer.startup import compile_deferred, pending_compiles
@@ -131,12 +132,16 @@ def timeline_stats(engine: Any) -> dict:
     return {"idle_share": s["idle_share"], "device_ms": s["device_ms"], "host_ms": s["host_ms"]}
 
 
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+
 def engine_facts(engine: Any, tokenizer: Any) -> dict:
     """What the API side needs from the engine: `Engine.validate`'s inputs, the limits the handlers check."""
     # DataParallelEngine: the API side checks the largest replica's limits; the core routes to one that fits.
     first = engine.largest() if hasattr(engine, "largest") else engine
     return {
-        "config": first.cfg.to_dict(),
+        # A user module's own ModelConfig subclass: the API side reads only the base fields (and imports no module).
+        "config": {k: v for k, v in first.cfg.to_dict().items() if k in _CONFIG_FIELDS},
         "cache": dataclasses.asdict(first.cc),
         "num_pages": first.allocator.num_pages,
         "page_size": first.allocator.page_size,

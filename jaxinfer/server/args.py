@@ -102,7 +102,10 @@ def _bytes(flag: str, zero_turns_off: bool = False) -> Callable[[str], int]:
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The flags of EngineArgs (what `LLM(...)` takes), with its defaults: shared by `serve` and `generate`."""
     D = EngineArgs
-    p.add_argument("--model", default=D.model, help="preset name, .gguf file, HF directory or checkpoint")
+    p.add_argument("--model", default=D.model,
+                   help="preset name, .gguf file, HF directory, checkpoint, or pkg.module:build (a model of your own)")
+    p.add_argument("--tokenizer", default=D.tokenizer,
+                   help="model name or path to read the tokenizer from (default: the model's own)")  # fmt: skip
     p.add_argument(
         "--dtype",
         default=D.dtype,

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.build import build_engine
+from jaxinfer.engine.build import build_engine, cache_config
 from jaxinfer.engine.config import EngineArgs
 from jaxinfer.model.protocol import ProtocolError, check_model
 from tests.model.byo_model import CONFIG, ParallelLM, model
@@ -79,6 +79,37 @@ def test_entry_point_string_loads_the_module():
     assert isinstance(engine.runner.model_def.merge(engine.runner.weights), ParallelLM)
     with pytest.raises(ProtocolError, match="no_such_module"):
         build_engine(EngineArgs("no_such_module:build", tokenizer=tok, **SETTINGS))
+
+
+def test_settings_that_do_not_apply_to_a_module_are_errors_and_a_tokenizer_path_works():
+    from jaxinfer.model_files import smollm2_gguf
+
+    engine, tok = build_engine(EngineArgs(model(), tokenizer=smollm2_gguf(), **SETTINGS))  # a pathlib.Path
+    assert tok.eos_token_ids
+    with pytest.raises(TypeError, match="tokenizer: expected a model name or path"):
+        build_engine(EngineArgs(model(), tokenizer=object(), **SETTINGS))
+    with pytest.raises(ValueError, match="dtype: 'bfloat16', but a module of your own"):
+        build_engine(EngineArgs(model(), tokenizer=TOKENIZER, dtype="bfloat16", **SETTINGS))
+
+
+def test_a_config_subclass_crosses_to_the_api_side(llm):
+    """`serve.py` runs the engine in its own process: the API side rebuilds the config from the engine's facts."""
+    import dataclasses
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.engine.core_process import engine_facts, pack, unpack
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.engine.mp_engine import _Validator
+
+    @dataclasses.dataclass(frozen=True)
+    class MyConfig(ModelConfig):
+        parallel_residual: bool = True
+
+    base = {f.name: getattr(CONFIG, f.name) for f in dataclasses.fields(ModelConfig)}
+    m = ParallelLM(MyConfig(**base), rngs=nnx.Rngs(0))
+    engine = Engine(m.config, m, cache_config(EngineArgs(m, **SETTINGS), m.config))
+    validator = _Validator(unpack(pack(engine_facts(engine, llm.tokenizer))))
+    assert validator.cfg == CONFIG and validator.validate([1, 2, 3], SamplingParams()) == [1, 2, 3]
 
 
 # ---------------------------------------------------------------------------------------------- the caller's module

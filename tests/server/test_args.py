@@ -28,6 +28,9 @@ def test_vllm_flags(monkeypatch):
     assert (a.num_kv_tokens, a.block_size, a.gpu_memory_utilization, a.max_waiting) == (2048, 32, 0.9, 5)
     assert not a.enable_prefix_caching
     assert parse_args(["--api-key", "flag"]).api_key == "flag"
+    # a model of one's own whose build() returns no tokenizer names one
+    a = parse_args(["--model", "my_pkg.my_model:build", "--tokenizer", "smollm2-135m-instruct"])
+    assert (a.model, a.tokenizer) == ("my_pkg.my_model:build", "smollm2-135m-instruct")
 
 
 @pytest.mark.parametrize(
