@@ -105,7 +105,11 @@ class Scheduler:
             limit = 0  # every prompt token's logits are needed, so none may come from the cache
         sid = req.params.session_id
         match = None
-        req.num_host_cached_tokens = 0 if self.host is not None else None
+        # The usage and metrics report what the cache held at a request's first admission: after a preemption
+        # the match finds the request's own pages again, which no cache saved it (vLLM counts the first only).
+        first = req.num_preemptions == 0
+        if first:
+            req.num_host_cached_tokens = 0 if self.host is not None else None
         if limit and sid is not None and self.sessions is not None and req.group is None:
             match = self.sessions.match(sid, req.tokens(0, limit), limit)
         if match is not None:
@@ -117,10 +121,12 @@ class Scheduler:
             if self.host is not None:
                 before = self.host_hit_tokens
                 self._match_host(tokens, pages, hashes, max_blocks)
-                req.num_host_cached_tokens = self.host_hit_tokens - before
+                if first:
+                    req.num_host_cached_tokens = self.host_hit_tokens - before
             req.pages, req.block_hashes = pages, hashes
             req.num_computed = len(pages) * self.alloc.page_size
-        req.num_cached_tokens = min(req.num_computed, len(req.prompt_token_ids))
+        if first:
+            req.num_cached_tokens = min(req.num_computed, len(req.prompt_token_ids))
         return match
 
     def _match_host(self, tokens: list[int], pages: list[int], hashes: list[int], max_blocks: int) -> None:

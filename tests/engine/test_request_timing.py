@@ -94,3 +94,19 @@ def test_host_tier_hits_are_reported_per_request():
     warm = _first_updates(eng, "warm")[0].timing
     assert warm.num_cached_tokens == 36 and warm.num_host_cached_tokens > 0
     assert warm.num_host_cached_tokens <= warm.num_cached_tokens
+
+
+def test_a_preempted_prompt_reports_the_cache_hits_of_its_first_admission():
+    """A prompt preempted mid-prefill finds its own pages again when it is readmitted: those are not cache hits
+    (they counted as such in usage.prompt_tokens_details.cached_tokens)."""
+    eng = Engine(CFG, init_params(CFG, seed=0, std=0.5), CacheConfig(block_size=4, num_pages=14, max_model_len=64,
+                 max_num_seqs=4, max_num_batched_tokens=8), (0,), seed=0, overlap=False)  # fmt: skip
+    eng.add_request([1, 2, 3, 4], SamplingParams(max_tokens=44, temperature=0.0, ignore_eos=True), "older")
+    for _ in range(20):
+        eng.step()
+    eng.add_request(list(range(10, 50)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), "new")
+    req, timing = eng.seqs["new"], None
+    while eng.has_unfinished():
+        timing = next((u.timing for u in eng.step() if u.request_id == "new" and u.timing), timing)
+    assert req.num_preemptions > 0  # the older request's decode took the pages back
+    assert timing.num_cached_tokens == 0
