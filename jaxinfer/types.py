@@ -35,7 +35,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context length (vLLM's meaning)
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -73,9 +73,10 @@ class SamplingParams:
             _check(is_int(v) and lo <= v <= INT32_MAX, name, f"must be an integer in [{lo}, {INT32_MAX}], got {v!r}")
 
         count("n", 1)
-        count("max_tokens", 1)
+        if self.max_tokens is not None:
+            count("max_tokens", 1)
         count("min_tokens", 0)
-        _check(self.min_tokens <= self.max_tokens, "min_tokens",
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")  # fmt: skip
         _check(num("temperature") >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < num("top_p") <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -91,12 +92,9 @@ class SamplingParams:
         )
         _check(-2 <= num("frequency_penalty") <= 2, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")  # fmt: skip
-        if self.seed is not None:
-            _check(
-                is_int(self.seed) and 0 <= self.seed < 2**32,
-                "seed",
-                f"must be an integer in [0, 2**32), got {self.seed!r}",
-            )
+        if self.seed is not None:  # OpenAI's and vLLM's range: a signed 64-bit integer (and unsigned ones)
+            _check(is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed",
+                   f"must be an integer in [-2**63, 2**64), got {self.seed!r}")  # fmt: skip
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
         _check(self.stop is None or isinstance(self.stop, str | list | tuple), "stop",

@@ -11,6 +11,7 @@ leaves the KV pool unusable: `step()` raises EngineFatalError and the caller sto
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -214,14 +215,20 @@ class Engine:
             raise ValueError("prompt: needs at least one token")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be in [0, {self.cfg.vocab_size})")
-        if len(prompt) + params.max_tokens > self.cc.max_model_len:
+        if params.max_tokens is None and len(prompt) >= self.cc.max_model_len:
             raise ValueError(
-                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
+                f"prompt: {len(prompt)} tokens leave no room to generate in the maximum context length "
+                f"{self.cc.max_model_len}"
+            )
+        max_tokens = resolved_max_tokens(params, len(prompt), self.cc.max_model_len)
+        if len(prompt) + max_tokens > self.cc.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
                 f"context length {self.cc.max_model_len}"
             )
-        if self.allocator.pages_for(len(prompt) + params.max_tokens) > self.allocator.num_pages:
+        if self.allocator.pages_for(len(prompt) + max_tokens) > self.allocator.num_pages:
             raise ValueError(
-                f"max_tokens: the request needs {len(prompt) + params.max_tokens} tokens of KV cache; the pool holds "
+                f"max_tokens: the request needs {len(prompt) + max_tokens} tokens of KV cache; the pool holds "
                 f"{self.runner.num_kv_tokens}"
             )
         if params.logprobs is not None and params.logprobs > self.cc.max_logprobs:
@@ -248,7 +255,10 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        if params.max_tokens is None:
+            rest = resolved_max_tokens(params, len(prompt), self.cc.max_model_len)
+            params = dataclasses.replace(params, max_tokens=rest)
+        base_seed = device_seed(params.seed) if params.seed is not None else self._rng.getrandbits(32)
         sids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
         now = time.monotonic()
         for i, sid in enumerate(sids):
@@ -524,6 +534,25 @@ class Engine:
         return [seqs[rid] for rid in rids]
 
 
+def resolved_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
+    """max_tokens, None read as the rest of the context (vLLM's meaning)."""
+    return max_model_len - prompt_len if params.max_tokens is None else params.max_tokens
+
+
+def device_seed(seed: int) -> int:
+    """A request's seed as the 32 bits the device samples with: seeds in [0, 2**32) as they are, any other (OpenAI
+    takes a signed 64-bit one) mixed down (splitmix64's finalizer), so that nearby large seeds do not collide."""
+    if 0 <= seed < 2**32:
+        return seed
+    return _splitmix64(seed & 0xFFFFFFFFFFFFFFFF) >> 32
+
+
+def _splitmix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
 def sample_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of a request seeded `seed` (n > 1): the first sample uses the seed itself (as with
     n = 1); the others a 32-bit mix of (seed, index) (splitmix64's finalizer). vLLM gives sample i `seed + i`, so
@@ -531,7 +560,4 @@ def sample_seed(seed: int, index: int) -> int:
     samples again."""
     if index == 0:
         return seed
-    z = ((seed << 32) | index) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) >> 32
+    return _splitmix64(((seed << 32) | index) & 0xFFFFFFFFFFFFFFFF) >> 32

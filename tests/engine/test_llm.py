@@ -315,6 +315,36 @@ def test_update_weights_of_a_family_state(tiny, layer_loop):
     assert _greedy(Engine(cfg, params, cache), prompts) == before
 
 
+def test_max_tokens_none_runs_to_the_context_length(tiny):
+    cfg, params = tiny
+    eng = Engine(cfg, params, CacheConfig(block_size=4, num_pages=32, max_model_len=64, max_num_seqs=4,
+                                          max_num_batched_tokens=32))  # fmt: skip
+    rid = eng.add_request(list(range(1, 11)), SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
+    got, reason = [], None
+    while eng.has_unfinished():
+        for u in eng.step():
+            got += u.new_token_ids
+            reason = u.finish_reason or reason
+    assert (len(got), reason) == (64 - 10, "length") and rid
+    with pytest.raises(ValueError, match="prompt: 64 tokens leave no room"):
+        eng.add_request([1] * 64, SamplingParams(max_tokens=None))
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    SamplingParams(max_tokens=None, min_tokens=5)  # bounded by the context instead
+
+
+def test_seeds_take_openais_range():
+    from jaxinfer.engine.engine import device_seed
+
+    for seed in (-(2**63), -1, 2**32, 2**63 - 1, 2**64 - 1):
+        SamplingParams(seed=seed)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    assert [device_seed(s) for s in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]  # as before: reproducible
+    big = [device_seed(s) for s in (-1, -2, 2**32, 2**32 + 1, 2**63)]
+    assert all(0 <= s < 2**32 for s in big) and len(set(big)) == len(big)
+
+
 def test_async_engine_streams_and_aborts(tiny):
     from jaxinfer.tokenizer import load_tokenizer
 
