@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy: SamplingParams gives 0 or >= 0.01 (as vLLM)
 TOPK_CAP = 256  # default static size of the lax.top_k fast path for top-k/top-p
 _BLOCK = 256  # vocab block of the two-level argmax and inverse-CDF search
 _NEG_INF = float("-inf")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import numbers
 import time
@@ -19,6 +20,10 @@ def _check(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{name} {msg}")
 
+
+_log = logging.getLogger(__name__)
+
+MIN_TEMPERATURE = 0.01  # the smallest temperature but 0 (greedy), as vLLM's _MAX_TEMP
 
 # The engine's sampling arrays and the wire to the engine process hold ids and counts as int32.
 INT32_MAX = 2**31 - 1
@@ -79,6 +84,11 @@ class SamplingParams:
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")  # fmt: skip
         _check(num("temperature") >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # As vLLM: only 0 is greedy, and a smaller temperature is raised to 0.01 (it scales the logits into
+            # overflow, and would be greedy on the device below 1e-5 without saying so).
+            _log.warning("temperature %s is below %s: raised to %s", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         _check(0 < num("top_p") <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(
             is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be -1, 0 or a positive integer, got {self.top_k!r}"
@@ -92,6 +102,8 @@ class SamplingParams:
         )
         _check(-2 <= num("frequency_penalty") <= 2, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")  # fmt: skip
+        if self.seed == -1 and is_int(self.seed):  # vLLM's "no seed" (a common UI convention)
+            object.__setattr__(self, "seed", None)
         if self.seed is not None:  # OpenAI's and vLLM's range: a signed 64-bit integer (and unsigned ones)
             _check(is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed",
                    f"must be an integer in [-2**63, 2**64), got {self.seed!r}")  # fmt: skip

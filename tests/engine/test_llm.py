@@ -336,13 +336,20 @@ def test_max_tokens_none_runs_to_the_context_length(tiny):
 def test_seeds_take_openais_range():
     from jaxinfer.engine.engine import device_seed
 
-    for seed in (-(2**63), -1, 2**32, 2**63 - 1, 2**64 - 1):
-        SamplingParams(seed=seed)
+    for seed in (-(2**63), -2, 2**32, 2**63 - 1, 2**64 - 1):
+        assert SamplingParams(seed=seed).seed == seed
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2**64)
     assert [device_seed(s) for s in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]  # as before: reproducible
     big = [device_seed(s) for s in (-1, -2, 2**32, 2**32 + 1, 2**63)]
     assert all(0 <= s < 2**32 for s in big) and len(set(big)) == len(big)
+
+
+def test_small_temperatures_are_raised_as_vllms():
+    raised = [SamplingParams(temperature=t).temperature for t in (0.0, 1e-6, 0.005, 0.01, 0.5)]
+    assert raised == [0, 0.01, 0.01, 0.01, 0.5]
+    assert SamplingParams(temperature=1e-6).greedy is False
 
 
 def test_async_engine_streams_and_aborts(tiny):
