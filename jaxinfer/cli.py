@@ -172,7 +172,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
     from jaxinfer import LLM, SamplingParams
 
-    sp = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
+    try:
+        sp = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
+    except ValueError as e:  # checked before the model loads, and named as argparse names a bad flag
+        print(f"{PROG} generate: error: {e}", file=sys.stderr)
+        return 2
     settings = dataclasses.asdict(EngineArgs.from_mapping(vars(ns)))
     with LLM(settings.pop("model"), **settings) as llm:
         chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
@@ -479,9 +483,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = argv[1:] if ns.command == "serve" else []
     try:
         return ns.run(ns, rest)
-    except ServerError as e:
-        print(f"{PROG} {ns.command}: {e}", file=sys.stderr)
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise  # a bug: its traceback
+        print(f"{PROG} {ns.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that name a bad input (a path, a config field, a server's answer): a message, not a traceback.
+    Looked up where they are defined only once raised from there (the CLI imports no model code to start)."""
+    from jaxinfer.config import UnsupportedConfigError
+
+    kinds: list[type[BaseException]] = [ServerError, FileNotFoundError, UnsupportedConfigError]
+    for module, name in (
+        ("jaxinfer.weights.checkpoint", "CheckpointError"),
+        ("jaxinfer.model.protocol", "ProtocolError"),
+    ):
+        if module in sys.modules:
+            kinds.append(getattr(sys.modules[module], name))
+    return tuple(kinds)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,9 @@ def load_weights(
     dtype = resolve_dtype(dtype, backend, checkpoint_dtype(path) if dtype == "auto" else None)
     if kind == "checkpoint":
         cfg, params, source = _restore(path, dtype, mesh)
-        return cfg, params, Path(source.get("path", path))
+        # `jaxinfer convert` copies an HF source's tokenizer files: the checkpoint then stands on its own.
+        own = any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
+        return cfg, params, path if own else Path(source.get("path", path))
     if kind == "hf":
         cfg, params = load_hf(path, dtype, mesh)
         return cfg, params, path
@@ -104,6 +106,7 @@ def load_weights(
         return cfg, params, path
     cached = _conversion_path(path, dtype, cache_dir)
     if not is_checkpoint(cached):
+        shutil.rmtree(cached, ignore_errors=True)  # our own entry, damaged (its jaxinfer.json lost): rebuilt
         cfg, params = load_gguf(path, dtype)
         try:
             save_checkpoint(cached, cfg, params, source={"kind": "gguf", "path": str(path)})

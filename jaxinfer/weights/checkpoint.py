@@ -41,6 +41,9 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, params: Params, source: 
     The sibling is this process's own: processes converting the same file at once (the shared GGUF conversion
     cache) never write into one another's directory."""
     path = Path(path).absolute()
+    if path.exists() and not is_checkpoint(path) and not (path.is_dir() and not any(path.iterdir())):
+        # Replaced whole below: only a checkpoint (a conversion cache entry, a convert run again) or nothing.
+        raise CheckpointError(f"{path} exists and is not a jaxinfer checkpoint: not overwritten")
     check_params(cfg, params)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)

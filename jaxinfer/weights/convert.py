@@ -11,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from jaxinfer.model_files import resolve_model_path
 from jaxinfer.weights import load_weights
-from jaxinfer.weights.checkpoint import save_checkpoint
+from jaxinfer.weights.checkpoint import CheckpointError, save_checkpoint
 
 # Files of an HF directory that the tokenizer loader reads; copied so the checkpoint stands on its own.
 _TOKENIZER_FILES = (
@@ -26,8 +27,12 @@ _TOKENIZER_FILES = (
 
 
 def convert(src: str, dst: str | Path, dtype: str = "float32") -> Path:
-    cfg, params, path = load_weights(src, dtype=dtype, use_cache=False)
+    """Writes `src` as a checkpoint at `dst`: a new or empty directory, or a checkpoint to replace (never the
+    source, nor a directory holding anything else: CheckpointError)."""
     dst = Path(dst)
+    if dst.exists() and resolve_model_path(src).resolve() == dst.resolve():
+        raise CheckpointError(f"{dst} is the source: write the checkpoint elsewhere")
+    cfg, params, path = load_weights(src, dtype=dtype, use_cache=False)
     kind = "gguf" if path.suffix == ".gguf" else "hf"
     save_checkpoint(dst, cfg, params, source={"kind": kind, "path": str(path.resolve())})
     if kind == "hf":

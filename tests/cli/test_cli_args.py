@@ -56,6 +56,14 @@ def test_env_reports_backend_and_versions():
     assert {"jax", "jaxlib", "jaxinfer"} <= set(info["packages"])
 
 
+def test_bad_values_and_missing_models_are_one_line_errors(tmp_path, capsys):
+    assert main(["generate", "--prompt", "x", "--temperature", "-1"]) == 2  # before any model loads
+    assert "jaxinfer generate: error: temperature must be >= 0" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("jaxinfer convert: ModelNotFoundError:") and "nowhere" in err and len(err.splitlines()) == 1
+
+
 def test_generate_prints_what_llm_generates(tiny_model, capsys):
     from jaxinfer import LLM, SamplingParams
     from tests.tiny_model import SETTINGS, settings_flags

@@ -74,13 +74,41 @@ def test_incomplete_and_mismatched_checkpoint(tmp_path):
         restore_checkpoint(tmp_path / "ck")
 
 
+def _write_tokenizer(path):
+    """A word-level tokenizer.json (the loader reads any HF tokenizer file)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
 def test_convert_hf_dir_round_trip(tmp_path):
     build("qwen3", tmp_path / "hf")
+    _write_tokenizer(tmp_path / "hf")
     cfg, params, _ = load_weights(tmp_path / "hf")
     convert(str(tmp_path / "hf"), tmp_path / "ck")
     cfg2, params2, path = load_weights(tmp_path / "ck")
-    assert cfg2 == cfg and path == (tmp_path / "hf").resolve()
+    assert cfg2 == cfg
     _assert_same(params, params2)
+    # The checkpoint holds the source's tokenizer files: it stands on its own once the source is gone.
+    (tmp_path / "hf").rename(tmp_path / "gone")
+    from jaxinfer.weights import load_model
+
+    assert path == tmp_path / "ck" and load_model(tmp_path / "ck").tokenizer.encode("hello world") == [1, 2]
+
+
+def test_convert_never_overwrites_what_is_not_a_checkpoint(tmp_path):
+    build("qwen3", tmp_path / "hf")
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists and is not a jaxinfer checkpoint"):
+        convert(str(tmp_path / "hf"), tmp_path / "dst")
+    with pytest.raises(CheckpointError, match="is the source"):
+        convert(str(tmp_path / "hf"), tmp_path / "hf")
+    assert (tmp_path / "dst" / "notes.txt").read_text() == "mine" and (tmp_path / "hf" / "config.json").exists()
+    convert(str(tmp_path / "hf"), tmp_path / "ck")
+    convert(str(tmp_path / "hf"), tmp_path / "ck")  # a checkpoint is replaced
 
 
 @pytest.fixture(scope="module")
