@@ -49,6 +49,13 @@ class RopeConfig:
     beta_slow: float = 1.0
     attention_factor: float | None = None
     truncate: bool = True
+    # Per-frequency divisors of the inverse frequencies (head_dim // 2 of them), after `kind`'s rule: how llama.cpp
+    # stores Llama 3's scaling (a GGUF's rope_freqs.weight tensor, its rope.scaling.type left at none).
+    freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.freq_factors is not None:  # a list when read back from JSON; the config is hashed
+            object.__setattr__(self, "freq_factors", tuple(float(x) for x in self.freq_factors))
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,12 @@ def from_hf_config(cfg: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         raise UnsupportedConfigError("use_bidirectional_attention=True is not supported")
     if cfg.get("num_experts") or cfg.get("num_local_experts"):
         raise UnsupportedConfigError("mixture-of-experts checkpoints are not supported")
+    quant = cfg.get("quantization_config")
+    if quant:  # read as plain weights, its int8/fp8 tensors would run without their scales: garbage, silently
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise UnsupportedConfigError(
+            f"quantization_config (quant_method={method!r}) is not supported: load unquantized weights, or a GGUF"
+        )
 
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -217,7 +230,7 @@ def from_hf_config(cfg: dict[str, Any], dtype: str = "float32") -> ModelConfig:
     elif arch == "gemma3":
         pattern = int(cfg.get("sliding_window_pattern", 6))
         windows = tuple(0 if (i + 1) % pattern == 0 else int(window) for i in range(layers))
-    elif arch == "qwen2" and cfg.get("use_sliding_window") and window:
+    elif arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
         first = int(cfg.get("max_window_layers", layers))
         windows = tuple(int(window) if i >= first else 0 for i in range(layers))
     elif model_type == "mistral" and window:
@@ -338,7 +351,19 @@ def from_gguf_metadata(meta: dict[str, Any], dtype: str = "float32") -> ModelCon
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[list[float], float]:
-    """Inverse frequencies (head_dim // 2 of them) and the cos/sin scale, following HF's rope_type rules."""
+    """Inverse frequencies (head_dim // 2 of them) and the cos/sin scale, following HF's rope_type rules, then
+    divided by `freq_factors` where given (llama.cpp's rope_freqs)."""
+    inv_freq, scale = _scaled_inv_freq(rope, head_dim)
+    if rope.freq_factors is None:
+        return inv_freq, scale
+    if len(rope.freq_factors) != len(inv_freq):
+        raise UnsupportedConfigError(
+            f"rope freq_factors: {len(rope.freq_factors)} of them for head_dim {head_dim} (expected {len(inv_freq)})"
+        )
+    return [f / d for f, d in zip(inv_freq, rope.freq_factors, strict=True)], scale
+
+
+def _scaled_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[list[float], float]:
     half = head_dim // 2
     base = [1.0 / (rope.theta ** (2 * i / head_dim)) for i in range(half)]
     if rope.kind == "default":

@@ -8,6 +8,7 @@ Two conventions of llama.cpp's converter are undone here:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -15,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jaxinfer.config import ModelConfig, from_gguf_metadata
+from jaxinfer.config import ModelConfig, from_gguf_metadata, rope_inv_freq
 from jaxinfer.gguf_file import read_gguf
 from jaxinfer.model.transformer import Params
 from jaxinfer.weights.layout import build_on_mesh
@@ -67,6 +68,11 @@ def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None
     meta, tensors = file.metadata, file.tensors
     cfg = from_gguf_metadata(meta, dtype=dtype)
     cfg = cfg.replace(tie_word_embeddings="output.weight" not in tensors)
+    freqs = tensors.get("rope_freqs.weight")
+    if freqs is not None:  # Llama 3.1+: llama.cpp's converter writes the rope scaling as per-frequency divisors
+        factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float64).ravel().tolist()
+        cfg = cfg.replace(rope=dataclasses.replace(cfg.rope, freq_factors=tuple(factors)))
+        rope_inv_freq(cfg.rope, cfg.head_dim)  # raises naming a count that does not fit the heads
     llama_permuted = meta.get("general.architecture") == "llama"
     bar = tqdm(total=len(tensors), desc=f"Converting {Path(path).name}", unit="tensor", disable=None)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxinfer.config import ModelConfig, from_hf_config
 from jaxinfer.model.transformer import Params
@@ -37,7 +37,10 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file holding it."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from e
         missing = {f for f in weight_map.values() if not (path / f).exists()}
         if missing:
             raise FileNotFoundError(f"shards listed in {index.name} are missing: {sorted(missing)}")
@@ -47,9 +50,17 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
     out = {}
     for f in files:
-        with safe_open(f, framework="numpy") as sf:
+        with _opened(f, "numpy") as sf:
             out.update({k: f for k in sf.keys()})
     return out
+
+
+def _opened(f: Path, framework: str):
+    """safe_open, its errors naming the file (safetensors' own name none: "invalid header length")."""
+    try:
+        return safe_open(f, framework=framework)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{f} is not a readable safetensors file: {e}") from e
 
 
 def _canonical(name: str) -> str:
@@ -72,7 +83,7 @@ def load_hf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) 
             return None
         key, f = files[name]
         if f not in handles:
-            handles[f] = safe_open(f, framework="flax")
+            handles[f] = _opened(f, "flax")
         # NOTE: safetensors' numpy backend cannot read bf16; its flax backend can, so we read through it on
         # the host CPU device and keep a host array until `place` puts it (or only its shard) on a device.
         with jax.default_device(jax.devices("cpu")[0]):

@@ -223,6 +223,9 @@ def test_unknown_architecture_gguf():
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"num_key_value_heads": 3}, "num_kv_heads"),
         ({"num_local_experts": 8}, "mixture-of-experts"),
+        # int8 / fp8 tensors read as plain weights would run without their scales
+        ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}, "'bitsandbytes'"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method='fp8'"),
     ],
 )
 def test_unhonourable_config_fields(change, field):
@@ -230,6 +233,15 @@ def test_unhonourable_config_fields(change, field):
             "num_hidden_layers": 1, "num_attention_heads": 4}  # fmt: skip
     with pytest.raises(UnsupportedConfigError, match=field):
         from_hf_config(base | change)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_without_layer_types(model_type):
+    """Configs written before transformers 4.53 give Qwen's windows as use_sliding_window + max_window_layers."""
+    cfg = from_hf_config({"model_type": model_type, "vocab_size": 10, "hidden_size": 16, "intermediate_size": 32,
+                          "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 8, "use_sliding_window": True,
+                          "sliding_window": 4, "max_window_layers": 1})  # fmt: skip
+    assert cfg.layer_windows == (0, 4, 4)
 
 
 def test_transformers4_and_5_layouts_agree():
@@ -292,6 +304,15 @@ def test_sharded_safetensors_index(tmp_path):
     cfg2, p2, _ = load_weights(tmp_path / "many")
     assert cfg1 == cfg2
     _assert_same(p1, p2)
+    shard = next((tmp_path / "many").glob("model-00003*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:5])  # truncated: the error names the file
+    with pytest.raises(ValueError, match=f"{shard.name} is not a readable safetensors file"):
+        load_weights(tmp_path / "many")
+    index = tmp_path / "many" / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:40])
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not a safetensors index"):
+        load_weights(tmp_path / "many")
     next((tmp_path / "many").glob("model-00002*.safetensors")).unlink()
+    index.write_text(json.dumps({"weight_map": {"x": shard.name, "y": "model-00002-of-nothing.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="missing"):
         load_weights(tmp_path / "many")
