@@ -172,6 +172,15 @@ def _rope_from_hf(params: dict[str, Any] | None, theta: float, max_pos: int) -> 
     raise UnsupportedConfigError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
 
 
+# transformers' Gemma3TextConfig defaults, in its 4.x layout (rope_theta, rope_local_base_freq, sliding_window_pattern).
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+}  # fmt: skip
+
+
 def from_hf_config(cfg: dict[str, Any], dtype: str = "float32") -> ModelConfig:
     """Builds a ModelConfig from the dict of an HF `config.json` (transformers 4.x or 5.x layout)."""
     model_type = cfg.get("model_type")
@@ -183,6 +192,8 @@ def from_hf_config(cfg: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         raise UnsupportedConfigError(
             f"unknown architecture model_type={model_type!r}; supported: {', '.join(sorted(_HF_MODEL_TYPES))}"
         )
+    if arch == "gemma3":  # released configs (google/gemma-3-4b-it's text_config) write only what differs from these
+        cfg = {**_GEMMA3_TEXT_DEFAULTS, **cfg}
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if act not in _ACTIVATIONS:
         raise UnsupportedConfigError(f"hidden_act={act!r} is not supported")
@@ -226,6 +237,8 @@ def from_hf_config(cfg: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         bad = set(layer_types) - {"full_attention", "sliding_attention"}
         if bad:
             raise UnsupportedConfigError(f"layer_types {sorted(bad)} are not supported")
+        if "sliding_attention" in layer_types and not window:
+            raise UnsupportedConfigError("layer_types has sliding_attention layers, but sliding_window is not set")
         windows = tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
     elif arch == "gemma3":
         pattern = int(cfg.get("sliding_window_pattern", 6))
@@ -310,7 +323,8 @@ def from_gguf_metadata(meta: dict[str, Any], dtype: str = "float32") -> ModelCon
             theta=theta,
             kind="yarn",
             factor=float(get("rope.scaling.factor")),
-            original_max_position=int(get("rope.scaling.original_context_length")),
+            # llama.cpp's default too: the training context
+            original_max_position=int(get("rope.scaling.original_context_length") or get("context_length") or 8192),
         )
     else:
         raise UnsupportedConfigError(f"GGUF rope.scaling.type={scaling!r} is not supported")

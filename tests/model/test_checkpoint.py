@@ -223,6 +223,7 @@ def test_unknown_architecture_gguf():
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"num_key_value_heads": 3}, "num_kv_heads"),
         ({"num_local_experts": 8}, "mixture-of-experts"),
+        ({"layer_types": ["sliding_attention"], "sliding_window": None}, "sliding_window is not set"),
         # int8 / fp8 tensors read as plain weights would run without their scales
         ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}, "'bitsandbytes'"),
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method='fp8'"),
@@ -316,3 +317,25 @@ def test_sharded_safetensors_index(tmp_path):
     index.write_text(json.dumps({"weight_map": {"x": shard.name, "y": "model-00002-of-nothing.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="missing"):
         load_weights(tmp_path / "many")
+
+
+def test_a_sparse_gemma3_text_config_takes_transformers_defaults():
+    """google/gemma-3-4b-it's config.json gives its text tower's differences only; transformers fills the rest."""
+    from transformers import Gemma3TextConfig
+
+    sparse = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}  # fmt: skip
+    ours = from_hf_config({"model_type": "gemma3", "text_config": sparse, "eos_token_id": [1, 106]})
+    full = Gemma3TextConfig(**{k: v for k, v in sparse.items() if k != "model_type"}).to_dict()
+    assert ours == from_hf_config(full)
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_dim, ours.vocab_size) == (8, 4, 256, 262208)
+    assert (ours.rope.theta, ours.rope.kind, ours.rope.factor, ours.rope_local.theta) == (1e6, "linear", 8.0, 1e4)
+
+
+def test_gguf_yarn_without_its_original_context_takes_the_training_one():
+    meta = {"general.architecture": "llama", "llama.embedding_length": 16, "llama.attention.head_count": 2,
+            "llama.block_count": 1, "llama.vocab_size": 10, "llama.feed_forward_length": 32,
+            "llama.context_length": 4096, "llama.rope.scaling.type": "yarn",
+            "llama.rope.scaling.factor": 4.0}  # fmt: skip
+    rope = from_gguf_metadata(meta).rope
+    assert (rope.kind, rope.factor, rope.original_max_position) == ("yarn", 4.0, 4096)
