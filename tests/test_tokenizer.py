@@ -503,3 +503,19 @@ def test_not_a_tokenizer_file(tmp_path: Path) -> None:
     path.write_bytes(b"\x00" * 64)
     with pytest.raises(TokenizerNotFoundError, match="not a tokenizer file"):
         load_tokenizer(path)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_tokenizer_gguf_of_a_model_gguf_is_the_same_tokenizer(which, tmp_path):
+    """What `jaxinfer convert` writes beside a GGUF's checkpoint: its tokenizer metadata alone, a few MB."""
+    from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
+    from jaxinfer.weights.convert import write_tokenizer_gguf
+
+    src = smollm2_gguf() if which == "smollm2" else gemma3_270m_gguf()
+    write_tokenizer_gguf(src, tmp_path / "tokenizer.gguf")
+    a, b = load_tokenizer(src), load_tokenizer(tmp_path)
+    assert (tmp_path / "tokenizer.gguf").stat().st_size < src.stat().st_size / 20
+    for text in ["Hello 🌍 world", "  leading spaces\n\ttabs", "<|im_start|>user\nhé<|im_end|>", "<start_of_turn>x"]:
+        assert a.encode(text) == b.encode(text) and a.decode(a.encode(text)) == b.decode(b.encode(text))
+    assert (a.eos_token_ids, a.bos_token_id, a.chat_template, a.add_bos_token, a.vocab_size) == (
+        b.eos_token_ids, b.bos_token_id, b.chat_template, b.add_bos_token, b.vocab_size)

@@ -95,8 +95,9 @@ def load_weights(
     dtype = resolve_dtype(dtype, backend, checkpoint_dtype(path) if dtype == "auto" else None)
     if kind == "checkpoint":
         cfg, params, source = _restore(path, dtype, mesh)
-        # `jaxinfer convert` copies an HF source's tokenizer files: the checkpoint then stands on its own.
-        own = any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
+        # `jaxinfer convert` copies the source's tokenizer (an HF directory's files, a GGUF's as tokenizer.gguf): the
+        # checkpoint then stands on its own.
+        own = any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer.gguf"))
         return cfg, params, path if own else Path(source.get("path", path))
     if kind == "hf":
         cfg, params = load_hf(path, dtype, mesh)

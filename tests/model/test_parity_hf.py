@@ -138,3 +138,12 @@ def test_llama3_gguf_rope_freqs_match(tmp_path):
     logits, _ = run_step(params, cfg, np.array([ids], np.int32), np.arange(n, dtype=np.int32)[None],
                          np.ones((1, n), bool), init_contiguous_cache(cfg, 1, 32), all_logits=True)  # fmt: skip
     np.testing.assert_allclose(np.asarray(logits)[0, :n], _hf_logits(hf, ids), atol=TOL, rtol=0)
+    # Converted, the checkpoint keeps the factors and a tokenizer of its own: it outlives the GGUF.
+    from jaxinfer.weights import load_model
+    from jaxinfer.weights.convert import convert
+
+    convert(str(tmp_path / "llama3.gguf"), tmp_path / "ck")
+    (tmp_path / "llama3.gguf").unlink()
+    loaded = load_model(tmp_path / "ck")
+    assert loaded.config == cfg
+    assert loaded.tokenizer.decode([5, 7]) == "t5t7"
