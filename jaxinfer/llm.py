@@ -56,6 +56,14 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: vLLM's defaults, with the model's
+        generation_config.json values for temperature, top_p, top_k, min_p and repetition_penalty (unless
+        `generation_config="vllm"`)."""
+        if self.engine is None:
+            raise RuntimeError("this LLM is closed")
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -88,7 +96,7 @@ class LLM:
             prompts = list(prompts)  # a list, a tuple, a generator
         else:
             raise ValueError(f"prompts: expected a prompt or a list of them, got {type(prompts).__name__}")
-        given = SamplingParams() if sampling_params is None else sampling_params
+        given = self.get_default_sampling_params() if sampling_params is None else sampling_params
         if isinstance(given, SamplingParams):
             plist = [given] * len(prompts)
         elif isinstance(given, list | tuple) and all(isinstance(x, SamplingParams) for x in given):

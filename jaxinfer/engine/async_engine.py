@@ -77,6 +77,10 @@ class AsyncEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         return self.engine.validate(prompt_ids, params)
 
+    @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        return self.engine.sampling_defaults
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
     ) -> AsyncIterator[RequestOutput]:

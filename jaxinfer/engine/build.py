@@ -23,7 +23,7 @@ from jaxinfer.model.protocol import check_model, is_entry_point, load_entry_poin
 from jaxinfer.model_files import resolve_model_path
 from jaxinfer.sharding import make_mesh, place_module
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
-from jaxinfer.weights import load_model, read_model_config
+from jaxinfer.weights import load_model, read_model_config, sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,11 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
     # loaded ones and give their memory back, so a notebook's RSS is what the engine uses.
     del params
     release_freed_memory()
+    if args.generation_config == "auto" and isinstance(args.model, str) and not is_entry_point(args.model):
+        engine.sampling_defaults = sampling_defaults(args.model)
+        if engine.sampling_defaults:  # as vLLM says it: requests that leave these unset sample differently
+            log.info("sampling defaults from the model's generation_config.json (--generation-config vllm: the "
+                     "built-in ones): %s", engine.sampling_defaults)  # fmt: skip
     if args.step_timeline:
         for e in getattr(engine, "replicas", [engine]):
             e.runner.timeline = StepTimeline(max_steps=TIMELINE_WINDOW)
@@ -115,8 +120,10 @@ def cache_config(args: EngineArgs, cfg) -> CacheConfig:
 def _load(model: str | nnx.Module, tokenizer: Tokenizer | str | None, dtype: str, mesh, dp: int) -> tuple:
     """(config, params or user module, tokenizer) for a model name/path, a user module or an entry point."""
     if isinstance(model, str) and not is_entry_point(model):
-        loaded = load_model(model, dtype=dtype, mesh=replica_meshes(mesh)[0] if mesh is not None else None)
-        tokenizer = _tokenizer(tokenizer) or loaded.tokenizer
+        tokenizer = _tokenizer(tokenizer)  # given: the model's own is not read (it may have none)
+        mesh0 = replica_meshes(mesh)[0] if mesh is not None else None
+        loaded = load_model(model, dtype=dtype, with_tokenizer=tokenizer is None, mesh=mesh0)
+        tokenizer = tokenizer or loaded.tokenizer
         if tokenizer is None:
             raise ValueError(f"model {model!r} has no tokenizer")
         return loaded.config, loaded.params, tokenizer

@@ -87,6 +87,9 @@ def batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, b
     return seqs, max_num_batched_tokens or max(tokens, seqs)
 
 
+GENERATION_CONFIGS = ("auto", "vllm")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """What `build_engine` builds from. `model`: a preset, a GGUF file, an HF directory, a checkpoint, an entry
@@ -125,6 +128,9 @@ class EngineArgs:
     # bytes per replica, or text like "8GiB"; None: 1 GiB on GPU/TPU, off on CPU; 0: off.
     host_kv_cache_memory: int | str | None = None
     layer_loop: str = CacheConfig.layer_loop  # "auto" (per backend), "scan" or "unroll"
+    # "auto": a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset takes the model's
+    # generation_config.json values (vLLM's --generation-config auto); "vllm": the built-in defaults.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the first setting of the wrong type or range: `LLM(max_num_seqs=0)` fell back to
@@ -140,6 +146,8 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_compilation_cache", "overlap_scheduling", "step_timeline"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config: one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
 
     @staticmethod
     def from_mapping(settings: Mapping[str, Any]) -> EngineArgs:

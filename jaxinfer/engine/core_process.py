@@ -149,6 +149,7 @@ def engine_facts(engine: Any, tokenizer: Any) -> dict:
         "eos_token_ids": list(first.eos_token_ids),
         "max_model_len": engine.cc.max_model_len,
         "max_logprobs": engine.cc.max_logprobs,
+        "sampling_defaults": engine.sampling_defaults,
         "tokenizer": pickle.dumps(tokenizer),
         "stats": engine_stats(engine),
         "pid": os.getpid(),

@@ -66,6 +66,7 @@ class DataParallelEngine:
             for i, m in enumerate(meshes)
         ]
         self.cfg, self.cc = cfg, self.replicas[0].cc
+        self.sampling_defaults: dict[str, float | int] = {}  # as Engine's
         self._owner: dict[str, Engine] = {}
         self._ids = itertools.count()
 

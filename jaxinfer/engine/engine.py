@@ -91,6 +91,8 @@ class Engine:
         self._in_flight: tuple | None = None  # with overlap: the dispatched step whose tokens are not read yet
         self._failed: list[SeqUpdate] = []  # error updates of failed requests, returned by the next step
         self.fault_request = os.environ.get(FAULT_REQUEST_ENV) or None
+        # What a request's unset sampling fields default to (the model's generation_config.json: build_engine).
+        self.sampling_defaults: dict[str, float | int] = {}
         # Counters for metrics and tests.
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0

@@ -176,6 +176,7 @@ class MPAsyncEngine:
         self.max_model_len = msg["max_model_len"]
         self.kv_tokens = msg["num_kv_tokens"]
         self.max_logprobs = msg["max_logprobs"]
+        self.sampling_defaults = msg["sampling_defaults"]
         self._stats = EngineStats(**msg.pop("stats"))
         self.core_pid = msg["pid"]
         self._facts = msg

@@ -8,7 +8,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from jaxinfer.device import DEVICE_ENV, DEVICES, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.engine.config import BATCH_DEFAULTS, DEFAULT_MAX_MODEL_LEN_CAP, LAYER_LOOPS, EngineArgs
+from jaxinfer.engine.config import (
+    BATCH_DEFAULTS,
+    DEFAULT_MAX_MODEL_LEN_CAP,
+    GENERATION_CONFIGS,
+    LAYER_LOOPS,
+    EngineArgs,
+)
 
 API_KEY_ENV = "JAXINFER_API_KEY"
 CHAT_TRUNCATION = ("off", "oldest")  # jaxinfer.server.truncation
@@ -102,8 +108,11 @@ def _bytes(flag: str, zero_turns_off: bool = False) -> Callable[[str], int]:
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The flags of EngineArgs (what `LLM(...)` takes), with its defaults: shared by `serve` and `generate`."""
     D = EngineArgs
-    p.add_argument("--model", default=D.model,
-                   help="preset name, .gguf file, HF directory, checkpoint, or pkg.module:build (a model of your own)")
+    p.add_argument(
+        "--model",
+        default=D.model,
+        help="preset name, .gguf file, HF directory, checkpoint, or pkg.module:build (a model of your own)",
+    )
     p.add_argument("--tokenizer", default=D.tokenizer,
                    help="model name or path to read the tokenizer from (default: the model's own)")  # fmt: skip
     p.add_argument(
@@ -194,6 +203,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=LAYER_LOOPS,
         help="how a step runs the layers: scan (one loop body over stacked weights: small programs, fast compile and"
         " warm start), unroll, or auto (scan on a single CPU device, unroll elsewhere: measured per backend)",
+    )
+    p.add_argument(
+        "--generation-config",
+        default=D.generation_config,
+        choices=GENERATION_CONFIGS,
+        help="auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty take the model's "
+        "generation_config.json values, as vLLM's; vllm: the built-in defaults",
     )
     p.add_argument(
         "--step-timeline",

@@ -78,7 +78,7 @@ def _engine_request(
     else:
         text, ids = encode(convo)
         check_fits(len(ids), need, limit, "messages")
-    params, renames = chat_params(req, len(ids), limit)
+    params, renames = chat_params(req, len(ids), limit, engine.sampling_defaults)
     params = dataclasses.replace(params, session_id=session)
     try:
         ids = engine.validate(ids, params)

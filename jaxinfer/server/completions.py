@@ -76,7 +76,7 @@ def _engine_requests(
         kept, truncation = keep_last_tokens(ids, req.truncate_prompt_tokens, need, limit, "prompt")
         if len(kept) < len(ids):
             text = None  # echo and the output show the tokens the model saw
-        params = completion_params(req, len(kept), limit)
+        params = completion_params(req, len(kept), limit, engine.sampling_defaults)
         params = dataclasses.replace(params, session_id=session if len(prompts) == 1 else None)
         try:
             kept = engine.validate(kept, params)

@@ -5,6 +5,8 @@ SamplingParams validates every value and names the field in its ValueError; that
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import bad_request, from_value_error
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -39,23 +41,29 @@ def _or(value, default):
     return default if value is None else value
 
 
+_BUILT_IN = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def build_params(
     req: SamplingRequest,
     max_tokens: int,
     logprobs: int | None,
     renames: dict[str, str] | None = None,
     prompt_logprobs: int | None = None,
+    defaults: Mapping[str, float | int] | None = None,
 ) -> SamplingParams:
+    """`defaults`: the model's values for the sampling fields a request leaves unset (its generation_config.json)."""
+    d = {**_BUILT_IN, **(defaults or {})}
     try:
         return SamplingParams(
             n=req.n,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
-            temperature=_or(req.temperature, 1.0),
-            top_p=_or(req.top_p, 1.0),
-            top_k=_or(req.top_k, 0),
-            min_p=_or(req.min_p, 0.0),
-            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            temperature=_or(req.temperature, d["temperature"]),
+            top_p=_or(req.top_p, d["top_p"]),
+            top_k=_or(req.top_k, d["top_k"]),
+            min_p=_or(req.min_p, d["min_p"]),
+            repetition_penalty=_or(req.repetition_penalty, d["repetition_penalty"]),
             presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0),
             logit_bias=req.logit_bias,
@@ -72,7 +80,9 @@ def build_params(
         raise from_value_error(e, renames) from None
 
 
-def completion_params(req: CompletionRequest, prompt_len: int, context: int) -> SamplingParams:
+def completion_params(
+    req: CompletionRequest, prompt_len: int, context: int, defaults: Mapping[str, float | int] | None = None
+) -> SamplingParams:
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported by this server", "best_of", "unsupported_parameter")
     # vLLM: an explicit null means "as many as fit".
@@ -81,7 +91,7 @@ def completion_params(req: CompletionRequest, prompt_len: int, context: int) -> 
         max_tokens = 1
     # echo with logprobs also scores the echoed prompt tokens (OpenAI, vLLM): the engine's prompt logprobs.
     prompt_logprobs = req.logprobs if req.echo else None
-    return build_params(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs)
+    return build_params(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs, defaults=defaults)
 
 
 def prompt_only(req: CompletionRequest) -> bool:
@@ -89,7 +99,9 @@ def prompt_only(req: CompletionRequest) -> bool:
     return req.echo and req.max_tokens == 0
 
 
-def chat_params(req: ChatCompletionRequest, prompt_len: int, context: int) -> tuple[SamplingParams, dict[str, str]]:
+def chat_params(
+    req: ChatCompletionRequest, prompt_len: int, context: int, defaults: Mapping[str, float | int] | None = None
+) -> tuple[SamplingParams, dict[str, str]]:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     max_tokens = _or(req.max_completion_tokens, req.max_tokens)
@@ -99,4 +111,4 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int, context: int) -> tu
     if max_tokens is None:  # vLLM's chat default: the rest of the context
         max_tokens = max(1, context - prompt_len)
     logprobs = _or(req.top_logprobs, 0) if req.logprobs else None
-    return build_params(req, max_tokens, logprobs, renames), renames
+    return build_params(req, max_tokens, logprobs, renames, defaults=defaults), renames

@@ -160,6 +160,31 @@ def read_model_config(model: str | Path, dtype: str = "auto") -> ModelConfig:
     return from_gguf_metadata(read_gguf(path, tensors=False).metadata, dtype=dtype)
 
 
+# The sampling fields vLLM takes from generation_config.json, and transformers' GenerationConfig defaults: a value
+# equal to the default is not an override (vLLM reads the file's diff against them).
+_SAMPLING_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def sampling_defaults(model: str | Path) -> dict[str, float | int]:
+    """The sampling settings a model's generation_config.json recommends (an HF directory's, or the copy a
+    checkpoint converted from one holds): those of temperature, top_p, top_k, min_p and repetition_penalty that
+    differ from transformers' defaults. {} for a GGUF file or a directory without the file."""
+    path, kind = _locate(model)
+    file = path / "generation_config.json"
+    if kind == "gguf" or not file.is_file():
+        return {}
+    try:
+        gen = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not JSON: {e}") from e
+    out = {}
+    for name, default in _SAMPLING_FIELDS.items():
+        value = gen.get(name) if isinstance(gen, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool) and value != default:
+            out[name] = value
+    return out
+
+
 def _restore(path: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, Params, dict]:
     """Restores a checkpoint onto one device, or onto a mesh: straight into the shards when no KV head needs
     replicating, else through the host."""
@@ -177,9 +202,10 @@ def _restore(path: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, Pa
     return cfg, params, source
 
 
-def load_model(model: str | Path, dtype: str = "auto", **kwargs: Any) -> LoadedModel:
-    """Config, params and tokenizer for a model name (preset), GGUF file, HF directory or checkpoint."""
+def load_model(model: str | Path, dtype: str = "auto", with_tokenizer: bool = True, **kwargs: Any) -> LoadedModel:
+    """Config, params and tokenizer for a model name (preset), GGUF file, HF directory or checkpoint.
+    `with_tokenizer=False`: no tokenizer (None), for a caller that brings its own (the model may have none)."""
     from jaxinfer.tokenizer import load_tokenizer
 
     cfg, params, path = load_weights(model, dtype, **kwargs)
-    return LoadedModel(cfg, params, load_tokenizer(path), path)
+    return LoadedModel(cfg, params, load_tokenizer(path) if with_tokenizer else None, path)

@@ -11,6 +11,7 @@ import pytest
 
 from jaxinfer.config import ModelConfig, UnsupportedConfigError, from_gguf_metadata, from_hf_config
 from jaxinfer.model import init_params
+from jaxinfer.types import SamplingParams
 from jaxinfer.weights import gguf_loader, load_weights, read_model_config
 from jaxinfer.weights.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from jaxinfer.weights.convert import convert
@@ -339,3 +340,31 @@ def test_gguf_yarn_without_its_original_context_takes_the_training_one():
             "llama.rope.scaling.factor": 4.0}  # fmt: skip
     rope = from_gguf_metadata(meta).rope
     assert (rope.kind, rope.factor, rope.original_max_position) == ("yarn", 4.0, 4096)
+
+
+def test_generation_config_gives_the_sampling_defaults(tmp_path):
+    """As vLLM's --generation-config auto: the model's recommended sampling for requests that leave it unset."""
+    from jaxinfer import LLM
+    from jaxinfer.model_files import smollm2_gguf
+    from jaxinfer.server.protocol import ChatCompletionRequest
+    from jaxinfer.server.sampling import chat_params
+    from jaxinfer.weights import sampling_defaults
+
+    build("qwen3", tmp_path / "hf")
+    gen = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1, "bos": 1}
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps(gen))
+    want = {"temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1}  # top_k 50 is transformers' own default
+    assert sampling_defaults(tmp_path / "hf") == want and sampling_defaults(smollm2_gguf()) == {}
+    settings = dict(tokenizer="smollm2-135m-instruct", max_model_len=64, num_kv_tokens=256, max_num_seqs=2)
+    with LLM(str(tmp_path / "hf"), **settings) as llm:
+        d = llm.get_default_sampling_params()
+        assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty) == (0.6, 0.95, 0, 1.1)
+        assert llm.engine.sampling_defaults == want
+    with LLM(str(tmp_path / "hf"), generation_config="vllm", **settings) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+    # The server: what a request sets wins, what it leaves unset is the model's.
+    msgs = [{"role": "user", "content": "hi"}]
+    unset = chat_params(ChatCompletionRequest(model="m", messages=msgs), 3, 64, want)[0]
+    given = chat_params(ChatCompletionRequest(model="m", messages=msgs, temperature=0.0, top_p=1.0), 3, 64, want)[0]
+    assert (unset.temperature, unset.top_p, unset.repetition_penalty) == (0.6, 0.95, 1.1)
+    assert (given.temperature, given.top_p, given.repetition_penalty) == (0.0, 1.0, 1.1)

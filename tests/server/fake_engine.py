@@ -64,6 +64,7 @@ class FakeEngine:
         self.prefill_chunk: int | None = None  # prompt tokens per step (None: the whole prompt in one step)
         self.stop_after: int | None = None  # end every sequence with "stop" after this many tokens (as an EOS)
         self.step_delay = 0.0  # seconds each step takes, as a device would
+        self.sampling_defaults: dict[str, float | int] = {}  # a model's generation_config.json values, as Engine's
 
     def cache_stats(self) -> dict[str, float]:
         return {}  # no sessions, no host tier
