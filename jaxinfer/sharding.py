@@ -126,13 +126,26 @@ def placer(cfg: ModelConfig, mesh: Mesh, dtype: str):
     return place
 
 
+_LOGICAL_AXES = frozenset(name for name, _ in RULES)
+
+
+def _known_axes(path: tuple, v: nnx.Variable) -> tuple[str | None, ...]:
+    """`var_axes(v)`, each a name of RULES: a misspelt one ("q_head") would leave the weight replicated, silently."""
+    axes = var_axes(v)
+    unknown = [a for a in axes if isinstance(a, str) and a not in _LOGICAL_AXES]
+    if unknown:
+        where = ".".join(str(p) for p in path)
+        raise ShardingError(f"{where}: logical axis {unknown[0]!r} is none of {sorted(_LOGICAL_AXES)}")
+    return axes
+
+
 def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
     """NamedShardings for every parameter of a (possibly abstract) nnx state, from its logical axis metadata. A
     plain array attribute of a module (a table it built, say) has no metadata: replicated."""
 
-    def sharding(_, v):
+    def sharding(path, v):
         if isinstance(v, nnx.Variable):
-            return v.replace(NamedSharding(mesh, spec(var_axes(v), mesh)))
+            return v.replace(NamedSharding(mesh, spec(_known_axes(path, v), mesh)))
         return NamedSharding(mesh, PartitionSpec())
 
     return nnx.map_state(sharding, state)

@@ -255,3 +255,14 @@ def test_user_module_with_a_plain_array_on_a_mesh_takes_new_weights():
     assert _greedy(eng, prompts) == refs[0]
     eng.update_weights(WithTable(1))
     assert _greedy(eng, prompts) == refs[1] != refs[0]
+
+
+@child_only
+def test_a_misspelt_logical_axis_is_an_error():
+    """A Param whose out_sharding names no rule would stay replicated on every device without a word."""
+    from tests.model.byo_model import CONFIG, model
+
+    m = model()
+    m.blocks[1].up.kernel.set_metadata("out_sharding", ("embed", "mpl"))
+    with pytest.raises(ShardingError, match=r"blocks\.1\.up\.kernel: logical axis 'mpl' is none of"):
+        place_module(CONFIG, m, make_mesh(2, 1))
