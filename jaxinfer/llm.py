@@ -180,6 +180,8 @@ class LLM:
         Same structure, shapes and dtypes, so nothing compiles again; the prefix cache is dropped."""
         if self.engine is None:
             raise RuntimeError("this LLM is closed")
+        while self.engine.has_unfinished():  # a step an interrupted generate left in flight (its requests aborted)
+            self.engine.step()
         self.engine.update_weights(model)
 
     def close(self) -> None:

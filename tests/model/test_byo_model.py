@@ -163,6 +163,32 @@ def test_update_weights_after_a_donating_train_step():
         assert list(llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids) == after
 
 
+class _CtrlC:
+    """A progress bar whose first update is the user's Ctrl-C: generate is interrupted with requests in flight."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def update(self, n: int) -> None:
+        raise KeyboardInterrupt
+
+    def close(self) -> None:
+        pass
+
+
+def test_update_weights_after_an_interrupted_generate():
+    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    with LLM(model(), tokenizer=TOKENIZER, **SETTINGS) as llm:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([PROMPT[:3], PROMPT, PROMPT[:9]], greedy, use_tqdm=_CtrlC)
+        other = ParallelLM(rngs=nnx.Rngs(7))
+        llm.update_weights(other)
+        assert list(llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids) == own_greedy_loop(
+            other, PROMPT, NEW
+        )
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+
+
 # ---------------------------------------------------------------------------------------------- broken modules
 
 SMALL = CONFIG.replace(vocab_size=16)
