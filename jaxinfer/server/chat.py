@@ -144,15 +144,18 @@ class _View:
         return body
 
     async def stream(self, admission: Admission) -> AsyncIterator[str]:
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        options = self.req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous)
         n = self.req.n
         sent_chars, sent_tokens = [0] * n, [0] * n
         finished = [False] * n
+        last = None
 
         def chunk(choices: list[dict]) -> str:
             body = self._envelope("chat.completion.chunk", choices)
             if include_usage:
-                body["usage"] = None
+                body["usage"] = self._usage(sum(sent_tokens), last) if continuous else None
             return sse(body)
 
         # The role comes first, before any token: clients show the turn at once.
@@ -160,7 +163,6 @@ class _View:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])  # fmt: skip
         try:
-            last = None
             async for _, out in merge([run_request(self.ctx.state, self.ctx.metrics, self.sub, admission, 0)]):
                 last = out
                 for c in out.outputs:

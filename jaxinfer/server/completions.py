@@ -211,7 +211,9 @@ class _View:
         return body
 
     async def stream(self, admission: Admission) -> AsyncIterator[str]:
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        options = self.req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous)
         sent_chars: dict[int, int] = {}  # choice index -> characters of its text already sent (echo excluded)
         sent_tokens: dict[int, int] = {}
         offsets: dict[int, TextOffsets | None] = {}  # choice index -> where its tokens start in its text
@@ -249,7 +251,7 @@ class _View:
                         finished.add(idx)
                     chunk = self._envelope([choice])
                     if include_usage:
-                        chunk["usage"] = None
+                        chunk["usage"] = self._usage(sum(sent_tokens.values()), last) if continuous else None
                     yield sse(chunk)
             if include_usage:
                 chunk = self._envelope([])

@@ -72,6 +72,14 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not only the last, choice-less one).
+    continuous_usage_stats: bool = False
+    # OpenAI's: whether chunks carry an `obfuscation` padding field. This server never adds one, so either is true.
+    include_obfuscation: bool = True
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingRequest(_Strict):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -44,4 +46,6 @@ async def detokenize(ctx: ServingContext, request: Request) -> JSONResponse:
     vocab = ctx.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise bad_request(f"tokens: token ids must be in [0, {vocab})", "tokens")
-    return JSONResponse({"prompt": await ctx.off_loop(ctx.tokenizer.decode, req.tokens)})
+    # Special tokens kept, as vLLM's: /tokenize then /detokenize gives the text back (a chat template's markers too).
+    text = await ctx.off_loop(functools.partial(ctx.tokenizer.decode, skip_special_tokens=False), req.tokens)
+    return JSONResponse({"prompt": text})

@@ -63,6 +63,20 @@ def test_completion_stream_equals_non_stream(client):
     assert usage.model_dump() == full.usage.model_dump()
 
 
+def test_continuous_usage_stats_and_obfuscation_option(client):
+    """vLLM's continuous_usage_stats: every chunk carries the usage so far. OpenAI's include_obfuscation: this
+    server never pads chunks, so it is accepted either way."""
+    for create, kw in ((client.completions.create, {"prompt": PROMPT}),
+                       (client.chat.completions.create, {"messages": CHAT})):  # fmt: skip
+        chunks = list(create(model=MODEL, max_tokens=6, temperature=0, stream=True, **kw,
+                             stream_options={"include_usage": True, "include_obfuscation": False},
+                             extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True,
+                                                            "include_obfuscation": False}}))  # fmt: skip
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 6
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+
+
 def test_chat_and_system_prompt(client, tokenizer):
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
     msg = full.choices[0].message
@@ -229,6 +243,9 @@ def test_tokenize_detokenize(http, tokenizer):
     assert r.json()["tokens"] == chat_ids and len(r.json()["token_strs"]) == len(chat_ids)
     r = http.post("/detokenize", json={"tokens": body["tokens"]})
     assert r.status_code == 200 and r.json()["prompt"] == PROMPT
+    # The chat template's markers come back too (vLLM's): /tokenize then /detokenize is a round trip.
+    r = http.post("/detokenize", json={"tokens": chat_ids})
+    assert r.json()["prompt"] == tokenizer.apply_chat_template(CHAT)
 
 
 def test_api_key(server):
