@@ -11,6 +11,7 @@ model without restarting.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -105,19 +106,38 @@ class LLM:
             raise ValueError(f"sampling_params: expected a SamplingParams or a list of them, got {given!r:.80}")
         if len(plist) != len(prompts):
             raise ValueError(f"sampling_params: got {len(plist)} for {len(prompts)} prompts")
+        if getattr(self.engine, "driver", None) is not None:
+            raise RuntimeError(
+                "an AsyncEngine drives this engine: shut it down (AsyncEngine.shutdown()) before LLM.generate"
+            )
         # Validate everything before queueing anything, so a bad prompt does not leave the others half-submitted.
         items = []
         for p, sp in zip(prompts, plist, strict=True):
             text, ids = self._prompt_ids(p)
+            if sp.max_tokens is not None and len(ids) < self._max_model_len():
+                # As vLLM's offline LLM: generation stops at the context length ("length") rather than refusing.
+                sp = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, self._max_model_len() - len(ids)))
             items.append((text, self.engine.validate(ids, sp), sp))
-        rids = []
-        for text, ids, sp in items:
-            rid = f"llm-{self._counter}"
-            self._counter += 1
-            self.engine.add_request(ids, sp, rid)
-            self.processor.add(rid, text, ids, sp)
-            rids.append(rid)
+        rids: list[str] = []
+        try:
+            for text, ids, sp in items:
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(ids, sp, rid)
+                self.processor.add(rid, text, ids, sp)
+                rids.append(rid)
+        except BaseException:  # Ctrl-C while a large batch is queued: none of it stays behind
+            self._abort(rids)
+            raise
         return self._run(rids, use_tqdm)
+
+    def _max_model_len(self) -> int:
+        return self.engine.cc.max_model_len
+
+    def _abort(self, rids: Iterable[str]) -> None:
+        for rid in rids:
+            self.engine.abort(rid)
+            self.processor.forget(rid)
 
     def chat(
         self,
@@ -147,10 +167,13 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         wholes = {rid: OutputAccumulator() for rid in rids}  # the processor's outputs are deltas
         pending = set(rids)
-        # use_tqdm: a flag, or (as vLLM takes it) a progress-bar factory with tqdm's signature.
-        make = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make(total=len(rids), desc="Generating", disable=not use_tqdm, unit="req")
+        bar = None
         try:
+            # use_tqdm: a flag, or (as vLLM takes it) a progress-bar factory, called with vLLM's arguments.
+            if callable(use_tqdm):
+                bar = use_tqdm(total=len(rids), desc="Processed prompts", dynamic_ncols=True)
+            else:
+                bar = tqdm(total=len(rids), desc="Generating", disable=not use_tqdm, unit="req")
             while pending:
                 if not self.engine.has_unfinished():
                     raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
@@ -164,12 +187,11 @@ class LLM:
                         pending.discard(out.request_id)
                         bar.update(1)
         except BaseException:
-            for rid in pending:  # an interrupted call (Ctrl-C in a notebook) must not leave pages behind
-                self.engine.abort(rid)
-                self.processor.forget(rid)
+            self._abort(pending)  # an interrupted call (Ctrl-C in a notebook) must not leave pages behind
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         return [final[r] for r in rids]
 
     # ------------------------------------------------------------------------------------------ lifetime

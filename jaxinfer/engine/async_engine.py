@@ -50,6 +50,9 @@ class AsyncEngine:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_waiting: int | None = None,
                  limits: StreamLimits | None = None):  # fmt: skip
         """`limits`: when a stream whose caller stopped reading is cut off (default StreamLimits())."""
+        if getattr(engine, "driver", None) is not None:
+            raise RuntimeError("an AsyncEngine drives this engine already: shut it down first")
+        engine.driver = self  # one thread steps an engine: LLM.generate refuses while this one runs
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
@@ -172,3 +175,12 @@ class AsyncEngine:
                 rids = list(self._streams)
             for rid in rids:
                 self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+        else:  # shut down: streams still open end now, and their requests give their pages back
+            with self._lock:
+                rids = list(self._streams)
+            for rid in rids:
+                self.engine.abort(rid)
+                self.processor.forget(rid)
+                self._deliver(rid, EngineDeadError("the AsyncEngine was shut down"))
+        finally:
+            self.engine.driver = None

@@ -67,6 +67,7 @@ class DataParallelEngine:
         ]
         self.cfg, self.cc = cfg, self.replicas[0].cc
         self.sampling_defaults: dict[str, float | int] = {}  # as Engine's
+        self.driver: object | None = None  # as Engine's
         self._owner: dict[str, Engine] = {}
         self._ids = itertools.count()
 

@@ -93,6 +93,7 @@ class Engine:
         self.fault_request = os.environ.get(FAULT_REQUEST_ENV) or None
         # What a request's unset sampling fields default to (the model's generation_config.json: build_engine).
         self.sampling_defaults: dict[str, float | int] = {}
+        self.driver: object | None = None  # the AsyncEngine stepping this engine from its thread, if one does
         # Counters for metrics and tests.
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
@@ -217,7 +218,7 @@ class Engine:
             raise ValueError("prompt: needs at least one token")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be in [0, {self.cfg.vocab_size})")
-        if params.max_tokens is None and len(prompt) >= self.cc.max_model_len:
+        if len(prompt) >= self.cc.max_model_len:
             raise ValueError(
                 f"prompt: {len(prompt)} tokens leave no room to generate in the maximum context length "
                 f"{self.cc.max_model_len}"

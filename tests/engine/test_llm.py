@@ -218,8 +218,8 @@ def test_token_arrays_generators_and_content_parts(smol):
 
 
 def test_bad_requests_leave_nothing_behind(smol):
-    with pytest.raises(ValueError, match="max_tokens"):
-        smol.generate(["ok", "x" * 10], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=600)])
+    with pytest.raises(ValueError, match="prompt: .* tokens leave no room"):
+        smol.generate(["ok", "x " * 600], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4)])
     with pytest.raises(ValueError, match="prompt_logprobs"):
         smol.generate("hi", SamplingParams(prompt_logprobs=21))
     assert not smol.engine.has_unfinished()
@@ -229,6 +229,47 @@ def test_bad_requests_leave_nothing_behind(smol):
 def _rss_bytes() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_generate_stops_at_the_context_and_leaves_nothing_when_it_fails_early(smol):
+    # As vLLM's offline LLM: a max_tokens past the context ends at the context ("length"), not an error.
+    out = smol.generate([[1] * 500], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (512 - 500, "length")
+
+    def broken_bar(**kwargs):
+        raise ZeroDivisionError  # a progress-bar factory that fails: the queued requests must not stay behind
+
+    with pytest.raises(ZeroDivisionError):
+        smol.generate(TEXTS, SamplingParams(max_tokens=50), use_tqdm=broken_bar)
+    assert not smol.engine.seqs and smol.engine.allocator.num_free == smol.engine.allocator.num_pages
+
+
+def test_an_async_engine_owns_its_engine_until_shut_down(smol):
+    from jaxinfer.engine.async_engine import EngineDeadError
+
+    ae = AsyncEngine(smol.engine, smol.tokenizer)
+    with pytest.raises(RuntimeError, match="an AsyncEngine drives this engine"):
+        smol.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="drives this engine already"):
+        AsyncEngine(smol.engine, smol.tokenizer)
+
+    async def main():
+        got = []
+
+        async def read():
+            async for o in ae.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True), "long"):
+                got.append(o)
+
+        task = asyncio.ensure_future(read())
+        while not got:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(ae.shutdown)  # a stream still open: it ends, its request gives its pages back
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
+    assert smol.engine.allocator.num_free == smol.engine.allocator.num_pages and not smol.engine.seqs
+    assert smol.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_close_frees_device_memory():
