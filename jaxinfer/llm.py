@@ -188,6 +188,7 @@ class LLM:
                         bar.update(1)
         except BaseException:
             self._abort(pending)  # an interrupted call (Ctrl-C in a notebook) must not leave pages behind
+            self.engine.recover()  # nor pools a step took just before the interrupt
             raise
         finally:
             if bar is not None:

@@ -71,6 +71,10 @@ class DataParallelEngine:
         self._owner: dict[str, Engine] = {}
         self._ids = itertools.count()
 
+    def recover(self) -> bool:
+        """`Engine.recover` on every replica."""
+        return any([e.recover() for e in self.replicas])
+
     def update_weights(self, params: Params) -> None:
         """`Engine.update_weights` on every replica; `params` placed as at construction (the first replica's mesh)."""
         if self.has_unfinished():

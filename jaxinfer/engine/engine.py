@@ -147,6 +147,20 @@ class Engine:
         """Releases every pinned session (shutdown): their pages go back to the pool."""
         self.sessions.release_all()
 
+    def recover(self) -> bool:
+        """After an exception (Ctrl-C) escaped a step whose requests were all aborted since: when it struck between
+        the device call and the runner keeping the step's outputs, the KV pools that call donated are gone. Fresh
+        pools then replace them, and what referred to their contents goes too (the step in flight, the prefix cache,
+        pinned sessions). True when that happened; the engine serves as before either way."""
+        if not self.runner.pools_lost():
+            return False
+        log.warning("a step was interrupted after it took the KV pools: starting from fresh ones")
+        self._in_flight = None
+        self.runner.reset_pools()
+        self.release_sessions()
+        self.allocator.reset_prefix_cache()
+        return True
+
     def update_weights(self, params: Params | nnx.Module) -> None:
         """Serves the next requests with new values of the same model (`ModelRunner.update_weights`): a module after
         training steps, say. Between requests only. The KV cached for prefixes, sessions and the host tier was

@@ -330,10 +330,11 @@ class ModelRunner:
         self.params = self.model_def.state(self.weights)  # the same arrays as the step's nnx state (close)
         kv_dtype = jnp.dtype(cache.kv_cache_dtype or cfg.dtype)
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=pool)
-        self.kv: KVPools = [(zeros(), zeros()) for _ in range(1 if self.layer_loop == "scan" else cfg.num_layers)]
+        self._fresh_kv = lambda: [(zeros(), zeros()) for _ in range(1 if self.layer_loop == "scan" else cfg.num_layers)]
+        self.kv: KVPools = self._fresh_kv()
         # The last step's sampled tokens, kept on device for the next step's placeholders (overlap scheduling).
         # Every process of a multi-process mesh runs the same steps, so each keeps the same feed.
-        self.feed = jax.device_put(np.zeros(cache.max_num_seqs, np.int32), self._replicated)
+        self.feed = self._fresh_feed()
         self.buckets = bucket_table(jax.default_backend(), cache.max_num_seqs, cache.max_num_batched_tokens)
         self.seq_buckets, self.token_buckets = self.buckets.seq_buckets, self.buckets.token_buckets
         # Serialized compiled steps (None: off): a warm start skips tracing and lowering. See exec_cache.
@@ -407,6 +408,21 @@ class ModelRunner:
                 x.delete()
         self.weights, self._borrowed = weights, borrowed
         self.params = self.model_def.state(weights)
+
+    def _fresh_feed(self) -> jax.Array:
+        return jax.device_put(np.zeros(self.cc.max_num_seqs, np.int32), self._replicated)
+
+    def pools_lost(self) -> bool:
+        """Whether the KV pools or the feed are gone: a step donated them, and an interrupt (Ctrl-C) struck before
+        the runner kept the step's outputs."""
+        return any(x.is_deleted() for x in jax.tree.leaves((self.kv, self.feed)))
+
+    def reset_pools(self) -> None:
+        """Fresh (zero) KV pools and feed, in place of lost ones: what they held is gone (callers drop it too)."""
+        for x in jax.tree.leaves((self.kv, self.feed)):
+            if not x.is_deleted():
+                x.delete()
+        self.kv, self.feed = self._fresh_kv(), self._fresh_feed()
 
     def release(self) -> None:
         """Deletes the device arrays the runner owns (KV pools, step feed, the weights it loaded or copied) and drops

@@ -244,6 +244,29 @@ def test_generate_stops_at_the_context_and_leaves_nothing_when_it_fails_early(sm
     assert not smol.engine.seqs and smol.engine.allocator.num_free == smol.engine.allocator.num_pages
 
 
+def test_ctrl_c_after_a_step_took_the_pools_leaves_a_working_engine(smol, monkeypatch):
+    """Ctrl-C that lands as the device call returns, before the runner keeps the pools it donated: the engine
+    starts from fresh pools (it failed every later call with 'Buffer has been deleted or donated')."""
+    g = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in smol.generate(TEXTS[:3], g, use_tqdm=False)]
+    runner, real = smol.engine.runner, smol.engine.runner._step
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        result = real(*args, **kwargs)  # the pools are donated to this call
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(runner, "_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        smol.generate(TEXTS[:3], g, use_tqdm=False)
+    monkeypatch.undo()
+    assert not runner.pools_lost() and smol.engine.allocator.num_free == smol.engine.allocator.num_pages
+    assert [o.outputs[0].token_ids for o in smol.generate(TEXTS[:3], g, use_tqdm=False)] == want
+
+
 def test_an_async_engine_owns_its_engine_until_shut_down(smol):
     from jaxinfer.engine.async_engine import EngineDeadError
 
