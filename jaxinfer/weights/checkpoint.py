@@ -79,8 +79,16 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def read_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
-    cfg = ModelConfig.from_dict(read_meta(path)["config"])
+    cfg = _config(path, read_meta(path))
     return cfg if dtype is None else cfg.replace(dtype=dtype)
+
+
+def _config(path: str | Path, meta: dict[str, Any]) -> ModelConfig:
+    """The checkpoint's config; CheckpointError naming the checkpoint for one no ModelConfig takes (edited)."""
+    try:
+        return ModelConfig.from_dict(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{META_FILE} of {path} holds no valid config: {type(e).__name__}: {e}") from e
 
 
 def _default_device() -> jax.Device:
@@ -98,7 +106,7 @@ def restore_checkpoint(
     structure (see `jaxinfer.sharding.state_shardings`), restores every array straight into its shards."""
     path = Path(path).absolute()
     meta = read_meta(path)
-    cfg = ModelConfig.from_dict(meta["config"])
+    cfg = _config(path, meta)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
     if not (path / "params").is_dir():

@@ -66,6 +66,10 @@ def test_incomplete_and_mismatched_checkpoint(tmp_path):
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError):
         restore_checkpoint(tmp_path / "ck")
+    meta["config"]["num_layers"] = 3  # hand-edited: its layer_windows still list 2 layers
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"jaxinfer.json of .*ck holds no valid config: .*layer_windows"):
+        restore_checkpoint(tmp_path / "ck")
     meta_path.write_text("{not json")
     with pytest.raises(CheckpointError, match="corrupt"):
         restore_checkpoint(tmp_path / "ck")
