@@ -106,17 +106,18 @@ class LLM:
             raise ValueError(f"sampling_params: expected a SamplingParams or a list of them, got {given!r:.80}")
         if len(plist) != len(prompts):
             raise ValueError(f"sampling_params: got {len(plist)} for {len(prompts)} prompts")
-        if getattr(self.engine, "driver", None) is not None:
+        if self.engine.driver is not None:
             raise RuntimeError(
                 "an AsyncEngine drives this engine: shut it down (AsyncEngine.shutdown()) before LLM.generate"
             )
         # Validate everything before queueing anything, so a bad prompt does not leave the others half-submitted.
         items = []
+        context = self.engine.cc.max_model_len
         for p, sp in zip(prompts, plist, strict=True):
             text, ids = self._prompt_ids(p)
-            if sp.max_tokens is not None and len(ids) < self._max_model_len():
+            if sp.max_tokens is not None and len(ids) < context:
                 # As vLLM's offline LLM: generation stops at the context length ("length") rather than refusing.
-                sp = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, self._max_model_len() - len(ids)))
+                sp = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, context - len(ids)))
             items.append((text, self.engine.validate(ids, sp), sp))
         rids: list[str] = []
         try:
@@ -130,9 +131,6 @@ class LLM:
             self._abort(rids)
             raise
         return self._run(rids, use_tqdm)
-
-    def _max_model_len(self) -> int:
-        return self.engine.cc.max_model_len
 
     def _abort(self, rids: Iterable[str]) -> None:
         for rid in rids:

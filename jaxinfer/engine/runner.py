@@ -403,9 +403,7 @@ class ModelRunner:
                     f"update_weights: {jax.tree_util.keystr(path[0])} is {new.dtype}{list(new.shape)} on "
                     f"{new.sharding}, the engine's is {old.dtype}{list(old.shape)} on {old.sharding}"
                 )
-        for x in self.weights:  # the old values the runner owns (copies it made), not the caller's
-            if not x.is_deleted() and not _buffers(x) & self._borrowed:
-                x.delete()
+        self._delete_owned(self.weights)  # the old values the runner copied, not the caller's
         self.weights, self._borrowed = weights, borrowed
         self.params = self.model_def.state(weights)
 
@@ -427,11 +425,15 @@ class ModelRunner:
     def release(self) -> None:
         """Deletes the device arrays the runner owns (KV pools, step feed, the weights it loaded or copied) and drops
         the rest: a caller's own module or weights stay usable. The runner cannot run steps afterwards."""
-        for x in jax.tree.leaves((self.params, self.weights, self.kv, self.feed)):
-            if isinstance(x, jax.Array) and not x.is_deleted() and not _buffers(x) & self._borrowed:
-                x.delete()
+        self._delete_owned((self.params, self.weights, self.kv, self.feed))
         self.params = self.weights = self.kv = self.feed = None
         self._compiled.clear()
+
+    def _delete_owned(self, tree: object) -> None:
+        """Deletes the arrays of `tree` the runner owns: not those over a caller's buffers (`_borrowed`)."""
+        for x in jax.tree.leaves(tree):
+            if isinstance(x, jax.Array) and not x.is_deleted() and not _buffers(x) & self._borrowed:
+                x.delete()
 
     def family_params(self) -> Params:
         """The weights in the built-in family's own layout (`jaxinfer.model.transformer`), for the reference paths

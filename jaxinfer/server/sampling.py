@@ -5,6 +5,7 @@ SamplingParams validates every value and names the field in its ValueError; that
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from jaxinfer.server.args import ServerArgs
@@ -41,7 +42,12 @@ def _or(value, default):
     return default if value is None else value
 
 
-_BUILT_IN = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# SamplingParams' own defaults of the fields a model's generation_config.json may set instead.
+_BUILT_IN = {
+    f.name: f.default
+    for f in dataclasses.fields(SamplingParams)
+    if f.name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+}
 
 
 def build_params(
