@@ -59,8 +59,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: vLLM's defaults, with the model's
-        generation_config.json values for temperature, top_p, top_k, min_p and repetition_penalty (unless
-        `generation_config="vllm"`)."""
+        generation_config.json values for temperature, top_p, top_k, min_p and repetition_penalty, and its
+        max_new_tokens as max_tokens (unless `generation_config="vllm"`)."""
         if self.engine is None:
             raise RuntimeError("this LLM is closed")
         return SamplingParams(**self.engine.sampling_defaults)

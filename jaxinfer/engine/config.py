@@ -129,7 +129,8 @@ class EngineArgs:
     host_kv_cache_memory: int | str | None = None
     layer_loop: str = CacheConfig.layer_loop  # "auto" (per backend), "scan" or "unroll"
     # "auto": a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset takes the model's
-    # generation_config.json values (vLLM's --generation-config auto); "vllm": the built-in defaults.
+    # generation_config.json values, and its max_new_tokens caps an unset max_tokens (vLLM's --generation-config
+    # auto); "vllm": the built-in defaults.
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:

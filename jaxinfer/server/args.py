@@ -209,7 +209,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=D.generation_config,
         choices=GENERATION_CONFIGS,
         help="auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty take the model's "
-        "generation_config.json values, as vLLM's; vllm: the built-in defaults",
+        "generation_config.json values, and its max_new_tokens caps an unset max_tokens, as vLLM's; vllm: the "
+        "built-in defaults",
     )
     p.add_argument(
         "--step-timeline",

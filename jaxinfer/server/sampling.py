@@ -86,6 +86,13 @@ def build_params(
         raise from_value_error(e, renames) from None
 
 
+def _capped(max_tokens: int, defaults: Mapping[str, float | int] | None) -> int:
+    """A request that sets no max_tokens: its default, capped by the model's generation_config.json max_new_tokens
+    (as vLLM). One that sets it gets what it asked for."""
+    cap = (defaults or {}).get("max_tokens")
+    return max_tokens if cap is None else min(max_tokens, int(cap))
+
+
 def completion_params(
     req: CompletionRequest, prompt_len: int, context: int, defaults: Mapping[str, float | int] | None = None
 ) -> SamplingParams:
@@ -93,6 +100,8 @@ def completion_params(
         raise bad_request("best_of other than n is not supported by this server", "best_of", "unsupported_parameter")
     # vLLM: an explicit null means "as many as fit".
     max_tokens = req.max_tokens if req.max_tokens is not None else max(1, context - prompt_len)
+    if "max_tokens" not in req.model_fields_set or req.max_tokens is None:
+        max_tokens = _capped(max_tokens, defaults)
     if prompt_only(req):  # the engine runs one step (scoring the prompt); its token is dropped
         max_tokens = 1
     # echo with logprobs also scores the echoed prompt tokens (OpenAI, vLLM): the engine's prompt logprobs.
@@ -115,6 +124,6 @@ def chat_params(
     if req.max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
     if max_tokens is None:  # vLLM's chat default: the rest of the context
-        max_tokens = max(1, context - prompt_len)
+        max_tokens = _capped(max(1, context - prompt_len), defaults)
     logprobs = _or(req.top_logprobs, 0) if req.logprobs else None
     return build_params(req, max_tokens, logprobs, renames, defaults=defaults), renames

@@ -168,7 +168,8 @@ _SAMPLING_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None
 def sampling_defaults(model: str | Path) -> dict[str, float | int]:
     """The sampling settings a model's generation_config.json recommends (an HF directory's, or the copy a
     checkpoint converted from one holds): those of temperature, top_p, top_k, min_p and repetition_penalty that
-    differ from transformers' defaults. {} for a GGUF file or a directory without the file."""
+    differ from transformers' defaults, and its max_new_tokens as `max_tokens` (vLLM's default output length for
+    requests that set none). {} for a GGUF file or a directory without the file."""
     path, kind = _locate(model)
     file = path / "generation_config.json"
     if kind == "gguf" or not file.is_file():
@@ -182,6 +183,9 @@ def sampling_defaults(model: str | Path) -> dict[str, float | int]:
         value = gen.get(name) if isinstance(gen, dict) else None
         if isinstance(value, int | float) and not isinstance(value, bool) and value != default:
             out[name] = value
+    cap = gen.get("max_new_tokens") if isinstance(gen, dict) else None
+    if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1:
+        out["max_tokens"] = cap
     return out
 
 

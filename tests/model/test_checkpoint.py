@@ -350,19 +350,21 @@ def test_generation_config_gives_the_sampling_defaults(tmp_path):
     """As vLLM's --generation-config auto: the model's recommended sampling for requests that leave it unset."""
     from jaxinfer import LLM
     from jaxinfer.model_files import smollm2_gguf
-    from jaxinfer.server.protocol import ChatCompletionRequest
-    from jaxinfer.server.sampling import chat_params
+    from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+    from jaxinfer.server.sampling import chat_params, completion_params
     from jaxinfer.weights import sampling_defaults
 
     build("qwen3", tmp_path / "hf")
-    gen = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1, "bos": 1}
+    gen = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1, "bos": 1,
+           "max_new_tokens": 24}  # fmt: skip
     (tmp_path / "hf" / "generation_config.json").write_text(json.dumps(gen))
-    want = {"temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1}  # top_k 50 is transformers' own default
+    # top_k 50 is transformers' own default; max_new_tokens is vLLM's default max_tokens
+    want = {"temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.1, "max_tokens": 24}
     assert sampling_defaults(tmp_path / "hf") == want and sampling_defaults(smollm2_gguf()) == {}
     settings = dict(tokenizer="smollm2-135m-instruct", max_model_len=64, num_kv_tokens=256, max_num_seqs=2)
     with LLM(str(tmp_path / "hf"), **settings) as llm:
         d = llm.get_default_sampling_params()
-        assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty) == (0.6, 0.95, 0, 1.1)
+        assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.max_tokens) == (0.6, 0.95, 0, 1.1, 24)
         assert llm.engine.sampling_defaults == want
     with LLM(str(tmp_path / "hf"), generation_config="vllm", **settings) as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
@@ -372,3 +374,14 @@ def test_generation_config_gives_the_sampling_defaults(tmp_path):
     given = chat_params(ChatCompletionRequest(model="m", messages=msgs, temperature=0.0, top_p=1.0), 3, 64, want)[0]
     assert (unset.temperature, unset.top_p, unset.repetition_penalty) == (0.6, 0.95, 1.1)
     assert (given.temperature, given.top_p, given.repetition_penalty) == (0.0, 1.0, 1.1)
+    # max_new_tokens caps a max_tokens the request leaves unset (chat: the rest of the context; completions: 16,
+    # or the rest of the context for an explicit null); one it sets is what it gets.
+    assert unset.max_tokens == 24 and given.max_tokens == 24
+    asked = chat_params(ChatCompletionRequest(model="m", messages=msgs, max_completion_tokens=40), 3, 64, want)[0]
+    assert asked.max_tokens == 40
+    assert chat_params(ChatCompletionRequest(model="m", messages=msgs), 3, 64, {})[0].max_tokens == 61
+    assert completion_params(CompletionRequest(model="m", prompt="hi"), 3, 64, want).max_tokens == 16
+    assert completion_params(CompletionRequest(model="m", prompt="hi", max_tokens=None), 3, 64, want).max_tokens == 24
+    assert completion_params(CompletionRequest(model="m", prompt="hi", max_tokens=50), 3, 64, want).max_tokens == 50
+    small = {**want, "max_tokens": 8}
+    assert completion_params(CompletionRequest(model="m", prompt="hi"), 3, 64, small).max_tokens == 8
