@@ -54,6 +54,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        stop_armed: bool = True,
     ) -> None:
         if isinstance(stop, str):  # a bare string would otherwise become one stop string per character
             stop = (stop,)
@@ -62,6 +63,8 @@ class IncrementalDetokenizer:
         # An empty stop string would match before any text; OpenAI-style APIs treat it as absent.
         self._stop = tuple(dict.fromkeys(s for s in stop if s))
         self._include_stop = include_stop_str_in_output
+        # False until `arm_stop` (min_tokens): text that could start a stop string is held back, but none may end.
+        self._stop_armed = stop_armed
 
         # Token window: ids[prefix_offset:read_offset] is context already emitted, ids[read_offset:] is pending.
         self._ids: list[int] = self._prompt_context([int(i) for i in prompt_ids])
@@ -85,9 +88,10 @@ class IncrementalDetokenizer:
             self._parts = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
 
-    def arm_stop(self, stop: Sequence[str]) -> None:
-        """Starts checking stop strings from the next token on (min_tokens: vLLM v1 checks none before it)."""
-        self._stop = tuple(dict.fromkeys(s for s in stop if s))
+    def arm_stop(self) -> None:
+        """From the next token on a stop string may end (min_tokens: vLLM v1 checks none before it). One may start
+        in the text held back before, as vLLM's search reaches back a stop string's length into older text."""
+        self._stop_armed = True
 
     def add(self, token_id: int) -> str:
         """Feeds one generated token; returns the text that became final with it ('' if none did).
@@ -164,9 +168,10 @@ class IncrementalDetokenizer:
         """Takes newly final text through the stop-string check; returns what may be emitted now."""
         if not self._stop:
             return self._emit(delta)
-        # A match must involve the new text: the held text is a proper prefix of a stop string at most.
+        # A match must end in the new text. (Armed from the start, the held text is a proper prefix of a stop
+        # string at most; held while unarmed, it may hold one stop string that prefixes a longer one.)
         pending = self._held + delta
-        match = self._first_stop(pending)
+        match = self._first_stop(pending, len(self._held) + 1) if self._stop_armed else None
         if match is not None:
             start, stop_str = match
             end = start + len(stop_str) if self._include_stop else start
@@ -178,11 +183,12 @@ class IncrementalDetokenizer:
         self._held = pending[len(pending) - keep :]
         return self._emit(pending[: len(pending) - keep])
 
-    def _first_stop(self, text: str) -> tuple[int, str] | None:
-        """(start, stop string) of the match that ends first in `text`; ties go to the longer (earlier) one."""
+    def _first_stop(self, text: str, min_end: int) -> tuple[int, str] | None:
+        """(start, stop string) of the match that ends first in `text` at `min_end` or later; ties go to the longer
+        (earlier) one."""
         best: tuple[int, int, str] | None = None
         for s in self._stop:
-            start = text.find(s)  # a string's first occurrence is also its earliest-ending one
+            start = text.find(s, max(0, min_end - len(s)))  # the first occurrence is also the earliest-ending one
             if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
                 best = (start + len(s), start, s)
         return None if best is None else (best[1], best[2])

@@ -74,10 +74,9 @@ class OutputProcessor:
         seqs = {}
         for i, sid in enumerate(sids):
             detok = IncrementalDetokenizer(
-                # min_tokens: stop strings are checked only after it (as vLLM v1), from the first token past it.
-                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop if params.min_tokens == 0 else (),
-                include_stop_str_in_output=params.include_stop_str_in_output,
+                # min_tokens: a stop string may end only after it (as vLLM v1), from the first token past it.
+                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output, stop_armed=params.min_tokens == 0,
             )  # fmt: skip
             seqs[sid] = _Seq(i, detok)
             self._seq_owner[sid] = request_id
@@ -120,7 +119,7 @@ class OutputProcessor:
                 if seq.detok.stopped:
                     break  # past the stop string: not part of the output
                 if seq.num_tokens == req.params.min_tokens > 0:
-                    seq.detok.arm_stop(req.params.stop)
+                    seq.detok.arm_stop()
                 seq.num_tokens += 1
                 seq.token_ids.append(tok)
                 if j != unrendered and (text := seq.detok.add(tok)):
