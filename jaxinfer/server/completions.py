@@ -121,11 +121,15 @@ class _View:
         self.prompt_only = prompt_only(req)
 
     def _visible(self, out: RequestOutput) -> RequestOutput:
-        """echo with max_tokens 0: the one token the engine made while scoring the prompt is not part of it."""
+        """echo with max_tokens 0: the one token the engine made while scoring the prompt is not part of it, nor
+        is how it would have ended the choice (a stop string or stop token it made): the choice ends at its length
+        limit, as vLLM's does."""
         if not self.prompt_only:
             return out
         outs = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
-                                    cumulative_logprob=None) for c in out.outputs]  # fmt: skip
+                                    cumulative_logprob=None, stop_reason=None,
+                                    finish_reason="length" if c.finish_reason == "stop" else c.finish_reason)
+                for c in out.outputs]  # fmt: skip
         return dataclasses.replace(out, outputs=outs)
 
     def _echo(self, sub: EngineRequest) -> str:

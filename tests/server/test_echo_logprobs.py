@@ -225,6 +225,19 @@ def test_params_and_limits(served):
     # without echo it is a 400, as every max_tokens below 1 is.
     r = client.post("/v1/completions", json={**BODY, "max_tokens": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text
+    # The token made while scoring is not shown, nor is how it would have ended the choice: stop_token_ids holding
+    # it, or a stop string it begins, still give finish_reason "length" (vLLM's answer), not "stop".
+    first = served[2][0].outputs[0].token_ids[0]
+    scored = {**BODY, "prompt": PROMPTS[0], "max_tokens": 0, "ignore_eos": False}
+    for stop in ({"stop_token_ids": [first]}, {"stop": [served[1].decode([first])]}):
+        for stream in (False, True):
+            r = client.post("/v1/completions", json={**scored, **stop, "stream": stream})
+            if stream:
+                chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+                ch = next(c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+            else:
+                ch = r.json()["choices"][0]
+            assert (ch["finish_reason"], ch["stop_reason"]) == ("length", None), (stop, stream, ch)
     r = client.post("/v1/completions", json={**BODY, "max_tokens": 0, "echo": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = client.post("/v1/completions", json={**BODY, "logprobs": 21})
