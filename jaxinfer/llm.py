@@ -28,6 +28,7 @@ from jaxinfer.engine.output import OutputAccumulator, OutputProcessor
 from jaxinfer.host_memory import heap_frozen, release_freed_memory
 from jaxinfer.model.transformer import Params
 from jaxinfer.model_files import DEFAULT_MODEL
+from jaxinfer.tokenizer import template_role
 from jaxinfer.types import RequestOutput, SamplingParams, is_integer
 
 PromptType = str | list[int] | dict[str, Any]
@@ -268,5 +269,5 @@ def _conversation(conv: object, where: str) -> list[dict]:
             content = "\n".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ValueError(f"{where}[{j}].content: expected text or a list of text parts, got {content!r:.80}")
-        out.append({**m, "content": content})
+        out.append({**m, "role": template_role(m["role"]), "content": content})
     return out

@@ -37,6 +37,7 @@ __all__ = [
     "TokenizerNotFoundError",
     "UnsupportedTokenizerError",
     "load_tokenizer",
+    "template_role",
 ]
 
 
@@ -50,6 +51,13 @@ class UnsupportedTokenizerError(ValueError):
 
 class ChatTemplateError(ValueError):
     """The model has no chat template, or it cannot be used."""
+
+
+def template_role(role: str) -> str:
+    """A message's role as chat templates know it: "developer" is OpenAI's newer name for the system role, which
+    templates written before it would render as an unknown role (SmolLM2's then adds its default system prompt too).
+    The server and `LLM.chat` both map it, so a conversation gives one prompt either way."""
+    return "system" if role == "developer" else role
 
 
 # Chat-turn terminators that instruct models emit instead of (or before) their EOS. They join `eos_token_ids`

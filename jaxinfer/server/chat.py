@@ -20,7 +20,7 @@ from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage
 from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
 from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns
-from jaxinfer.tokenizer import ChatTemplateError, Tokenizer
+from jaxinfer.tokenizer import ChatTemplateError, Tokenizer, template_role
 from jaxinfer.types import RequestOutput
 
 
@@ -37,8 +37,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
             content = m.text()
         except ValueError as e:
             raise bad_request(f"messages.{i}.content: {e}", f"messages.{i}.content", "unsupported_parameter") from None
-        # "developer" is OpenAI's newer name for the system role; chat templates only know "system".
-        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        msg = {"role": template_role(m.role), "content": content}
         if m.name is not None:
             msg["name"] = m.name
         convo.append(msg)

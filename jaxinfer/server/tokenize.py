@@ -30,6 +30,8 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
         ids = tk.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
         assert req.prompt is not None
+        if "add_generation_prompt" in req.model_fields_set:  # a template's flag: a prompt has no template to apply
+            raise bad_request("add_generation_prompt applies to messages, not to a prompt", "add_generation_prompt")
         ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     return {
         "count": len(ids),

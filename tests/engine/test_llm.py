@@ -207,6 +207,11 @@ def test_token_arrays_generators_and_content_parts(smol):
     plain = [{"role": "user", "content": "Hi"}]
     texts = [smol.chat(msgs, g, use_tqdm=False)[0].outputs[0].text for msgs in (parts, plain)]
     assert texts[0] == texts[1]
+    # "developer" is the system role, as the server renders it (SmolLM2's template would otherwise add its own
+    # default system prompt after an unknown role).
+    prompts = [smol.chat([{"role": role, "content": "Be brief."}, *plain], g, use_tqdm=False)[0].prompt_token_ids
+               for role in ("developer", "system")]  # fmt: skip
+    assert prompts[0] == prompts[1] and smol.tokenizer.decode(prompts[0], False).count("<|im_start|>system") == 1
     made = []
 
     def bar(**kwargs):  # use_tqdm as vLLM also takes it: a progress-bar factory

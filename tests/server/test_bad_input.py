@@ -71,6 +71,8 @@ CASES = [
     ("unknown model", C, _completion(model="gpt-17"), 404, "model"),
     ("unknown model (chat)", CHAT, _chat(model="gpt-17"), 404, "model"),
     ("detokenize out of vocab", "/detokenize", json.dumps({"tokens": [-1]}).encode(), 400, "tokens"),
+    ("tokenize: a prompt with add_generation_prompt", "/tokenize",
+     json.dumps({"prompt": "x", "add_generation_prompt": False}).encode(), 400, "add_generation_prompt"),
     # JSON escapes may spell half of a UTF-16 pair: no UTF-8 encoder takes it (tokenizer, engine, response).
     ("lone surrogate in prompt", C, b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
     ("lone surrogate in stop", C, b'{"prompt": "a", "stop": ["x", "\\udfff"], "stream": true}', 400, "stop.1"),
