@@ -154,11 +154,14 @@ def _rope_from_hf(params: dict[str, Any] | None, theta: float, max_pos: int) -> 
             original_max_position=int(params["original_max_position_embeddings"]),
         )
     if kind == "yarn":
-        if params.get("mscale") or params.get("mscale_all_dim"):
-            raise UnsupportedConfigError("rope_scaling yarn with mscale/mscale_all_dim is not supported")
-        factor = float(params["factor"])
         orig = params.get("original_max_position_embeddings")
         orig = int(orig) if orig else max_pos
+        # No factor: the context's growth over the original (transformers' reading, DeepSeek-V3's configs).
+        factor = float(params["factor"]) if params.get("factor") is not None else max_pos / orig
+        attention_factor = params.get("attention_factor")
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if attention_factor is None and mscale and mscale_all_dim:  # both or neither, as transformers reads them
+            attention_factor = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
         return RopeConfig(
             theta=theta,
             kind="yarn",
@@ -166,10 +169,15 @@ def _rope_from_hf(params: dict[str, Any] | None, theta: float, max_pos: int) -> 
             original_max_position=orig,
             beta_fast=float(params.get("beta_fast") or 32.0),
             beta_slow=float(params.get("beta_slow") or 1.0),
-            attention_factor=params.get("attention_factor"),
+            attention_factor=attention_factor,
             truncate=bool(params.get("truncate", True)),
         )
     raise UnsupportedConfigError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context grown `factor` times (the paper's 0.1 ln(s) + 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 # transformers' Gemma3TextConfig defaults, in its 4.x layout (rope_theta, rope_local_base_freq, sliding_window_pattern).
@@ -278,7 +286,8 @@ def from_hf_config(cfg: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         sandwich_norm=gemma,
         layer_windows=windows,
         query_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
-        attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+        # None of these families caps attention scores: Gemma 3's config still carries Gemma 2's
+        # attn_logit_softcapping, which transformers and llama.cpp leave unused. (Own models may set it.)
         final_logit_softcap=cfg.get("final_logit_softcapping"),
         dtype=dtype,
     )
@@ -358,8 +367,7 @@ def from_gguf_metadata(meta: dict[str, Any], dtype: str = "float32") -> ModelCon
         sandwich_norm=gemma,
         layer_windows=windows,
         query_scale=head_dim**-0.5,
-        attn_logit_softcap=get("attn_logit_softcapping"),
-        final_logit_softcap=get("final_logit_softcapping"),
+        final_logit_softcap=get("final_logit_softcapping"),  # attention's: see from_hf_config
         dtype=dtype,
     )
 
@@ -418,8 +426,6 @@ def _scaled_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[list[float], floa
             ramp = min(max((i - low) / (high - low), 0.0), 1.0)
             extrapolation = 1.0 - ramp
             out.append((f / rope.factor) * (1 - extrapolation) + f * extrapolation)
-        scale = rope.attention_factor
-        if scale is None:
-            scale = 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+        scale = _yarn_mscale(rope.factor) if rope.attention_factor is None else rope.attention_factor
         return out, float(scale)
     raise UnsupportedConfigError(f"rope kind {rope.kind!r} is not supported")

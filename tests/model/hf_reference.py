@@ -61,12 +61,25 @@ FAMILIES: dict[str, dict] = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # YaRN as DeepSeek-V3 writes it: no factor (max_position / original), mscale over mscale_all_dim.
+    "llama_yarn_mscale": dict(
+        model_type="llama",
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": None,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "gemma3": dict(
         model_type="gemma3_text",
         sliding_window=5,
         query_pre_attn_scalar=24,
         hidden_activation="gelu_pytorch_tanh",
         final_logit_softcapping=20.0,
+        attn_logit_softcapping=5.0,  # Gemma 2's; Gemma 3's attention ignores it (transformers, Google's reference)
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={
             "full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
