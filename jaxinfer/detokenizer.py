@@ -16,6 +16,7 @@ Host-side only: no jax here.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from jaxinfer.tokenizer import Tokenizer
@@ -23,6 +24,7 @@ from jaxinfer.tokenizer import Tokenizer
 __all__ = ["IncrementalDetokenizer"]
 
 _REPLACEMENT = "\ufffd"
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a sentencepiece byte-fallback piece
 # Prompt tokens the first window starts with (vLLM uses 5 too): enough context for sentencepiece's leading-space
 # handling and for a prompt that ends in special tokens that decode to nothing.
 _PROMPT_CONTEXT_TOKENS = 5
@@ -138,7 +140,7 @@ class IncrementalDetokenizer:
     def _decode_step(self) -> str:
         """New final text after the latest token; moves the window forward when its text ends cleanly."""
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if new_text.endswith(_REPLACEMENT):
+        if new_text.endswith(_REPLACEMENT) and self._tail_may_change():
             # The tail holds an unfinished character. Text before it is final (byte-level decoding is left to
             # right; a byte-fallback run re-renders only as a whole, and all of it is U+FFFD while unfinished),
             # so emit that much and keep the window where it is until the character completes.
@@ -161,6 +163,18 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         self._window_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         return delta
+
+    def _tail_may_change(self) -> bool:
+        """Whether the U+FFFD the pending tokens end in may still become other text: they end in the first bytes of
+        a UTF-8 character that later tokens may complete, or in a byte-fallback piece (sentencepiece renders a run
+        of byte pieces as a whole, and a later byte can turn all of it to U+FFFD). Otherwise (byte-level BPE: a
+        stray continuation byte, a broken sequence) it is final text: waiting on it would keep the window from
+        moving, and every later token would decode all the tokens since (quadratic)."""
+        pending = [i for i in self._ids[self._read_offset :] if not (self._skip_special_tokens and
+                                                                     self._tokenizer.is_special(i))]  # fmt: skip
+        if not pending or _BYTE_PIECE.fullmatch(self._tokenizer.id_to_token(pending[-1]) or ""):
+            return True
+        return _incomplete_utf8_tail(b"".join(self._tokenizer.token_bytes(i) for i in pending[-4:]))
 
     # ---- stop strings ----------------------------------------------------------------------------------------
 
@@ -211,6 +225,17 @@ class IncrementalDetokenizer:
         if delta:
             self._parts.append(delta)
         return delta
+
+
+def _incomplete_utf8_tail(data: bytes) -> bool:
+    """Whether `data` ends with a UTF-8 lead byte followed by fewer continuation bytes than it announces."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 == 0x80:  # a continuation byte: its lead byte is further back
+            continue
+        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+        return need > back
+    return False
 
 
 def _suffix_after(new_text: str, old_text: str) -> str:

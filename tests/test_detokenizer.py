@@ -124,6 +124,9 @@ class _RecordingTokenizer:
         self.lengths.append(len(ids))
         return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def __getattr__(self, name: str):
+        return getattr(self.tk, name)
+
 
 def test_decode_window_stays_small(tok: Tokenizer) -> None:
     """Per-token cost is O(1): each step decodes a few tokens, however long the output grows."""
@@ -135,6 +138,26 @@ def test_decode_window_stays_small(tok: Tokenizer) -> None:
     assert det.text == tok.decode(gen)
     assert max(rec.lengths) <= 16
     assert len(rec.lengths) <= 2 * len(gen) + 8
+
+
+def _byte_token(tk: Tokenizer, value: int) -> int:
+    return next(i for i in range(tk.vocab_size) if tk.token_bytes(i) == bytes([value]))
+
+
+@pytest.mark.parametrize("tail", ["", "😀"])
+def test_bytes_no_character_can_complete_are_final(tok: Tokenizer, tail: str) -> None:
+    """Byte-level BPE: a stray continuation byte decodes to a U+FFFD that no later token can complete, so it is
+    final text and the window moves on past it (it used to wait forever, each step decoding every token since:
+    quadratic). Sentencepiece byte fallback renders a run of byte pieces as a whole, so there the run is held
+    until it ends (a later byte may turn it all to U+FFFD): the text is right, the window not bounded."""
+    gen = [_byte_token(tok, 0x80)] * 400 + _enc(tok, "ok" + tail) + [_byte_token(tok, 0xBF)] * 3
+    rec = _RecordingTokenizer(tok)
+    det = IncrementalDetokenizer(rec, tok.encode(PROMPT))  # type: ignore[arg-type]
+    deltas = _stream(det, gen, flush=False)
+    assert det.text + det.flush() == tok.decode(gen)
+    if tok.id_to_token(gen[0]) != "<0x80>":  # byte-level
+        assert sum(map(len, deltas)) >= 400  # streamed as it came, not held to the end
+        assert max(rec.lengths) <= 16
 
 
 # ---- characters split across tokens ------------------------------------------------------------------------
