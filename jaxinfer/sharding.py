@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.linen import logical_to_mesh_axes
@@ -168,4 +169,21 @@ def place_module(cfg: ModelConfig, module: nnx.Module, mesh: Mesh) -> nnx.Module
             "only done for the built-in families"
         )
     graphdef, state = nnx.split(module)
-    return nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh)))
+
+    def place(path, leaf, sharding):
+        try:
+            placed = jax.device_put(leaf, sharding)
+        except ValueError as e:  # jax's IndivisibleError: a dimension the mesh does not divide
+            raise ShardingError(f"{jax.tree_util.keystr(path, simple=True, separator='.')}: {e}") from None
+        # A copy, never the caller's buffer: a replicated leaf's shard on the caller's device is the module's own
+        # array (device_put's may_alias=False does not stop that), and donating it in the caller's training step
+        # would delete one shard of the engine's weights, which PjRt answers with a segfault at the next step.
+        if isinstance(leaf, jax.Array) and _pointers(placed) & _pointers(leaf):
+            placed = jax.device_put(jnp.copy(leaf), sharding)
+        return placed
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state, state_shardings(state, mesh)))
+
+
+def _pointers(x: jax.Array) -> set[int]:
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}

@@ -258,6 +258,25 @@ def test_user_module_with_a_plain_array_on_a_mesh_takes_new_weights():
 
 
 @child_only
+def test_a_placed_module_shares_no_buffer_with_the_callers():
+    """The caller keeps training its module (a jit that donates it): no shard of the engine's weights may be one
+    of its arrays, or the next step hits a deleted buffer (PjRt: a segfault). A dimension the mesh does not divide
+    is an error naming the parameter."""
+    from flax import nnx
+
+    from tests.model.byo_model import CONFIG, model
+
+    m = model()
+    placed = place_module(CONFIG, m, make_mesh(2, 1))
+    ours = {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(nnx.state(placed)) for s in x.addressable_shards}
+    theirs = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(nnx.state(m))}
+    assert ours and theirs and not ours & theirs
+    m.blocks[0].up.kernel.value = m.blocks[0].up.kernel[...][:, :-1]  # one column short: odd across 2 devices
+    with pytest.raises(ShardingError, match=r"blocks\.0\.up\.kernel"):
+        place_module(CONFIG, m, make_mesh(2, 1))
+
+
+@child_only
 def test_a_misspelt_logical_axis_is_an_error():
     """A Param whose out_sharding names no rule would stay replicated on every device without a word."""
     from tests.model.byo_model import CONFIG, model
