@@ -138,7 +138,7 @@ _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 def engine_facts(engine: Any, tokenizer: Any) -> dict:
     """What the API side needs from the engine: `Engine.validate`'s inputs, the limits the handlers check."""
     # DataParallelEngine: the API side checks the largest replica's limits; the core routes to one that fits.
-    first = engine.largest() if hasattr(engine, "largest") else engine
+    first = engine.largest()
     return {
         # A user module's own ModelConfig subclass: the API side reads only the base fields (and imports no module).
         "config": {k: v for k, v in first.cfg.to_dict().items() if k in _CONFIG_FIELDS},

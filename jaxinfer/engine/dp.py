@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Sequence
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.cache.host_tier import host_tier_bytes
@@ -75,12 +76,19 @@ class DataParallelEngine:
         """`Engine.recover` on every replica."""
         return any([e.recover() for e in self.replicas])
 
-    def update_weights(self, params: Params) -> None:
-        """`Engine.update_weights` on every replica; `params` placed as at construction (the first replica's mesh)."""
+    def update_weights(self, params: Params | nnx.Module) -> None:
+        """`Engine.update_weights` on every replica: a module, or a state placed as at construction (the first
+        replica's mesh)."""
         if self.has_unfinished():
             raise RuntimeError("update_weights: requests are still running; update the weights between them")
-        for e in self.replicas:
-            e.update_weights(params if e is self.replicas[0] else copy_to_mesh(params, e.runner.mesh))
+        # Every replica's copy before any replica changes: one that fails leaves them all serving the old weights.
+        # A module each replica places on its own mesh from its logical axes; a placed state is copied across.
+        module = isinstance(params, nnx.Module)
+        news = [
+            params if module or i == 0 else copy_to_mesh(params, e.runner.mesh) for i, e in enumerate(self.replicas)
+        ]
+        for e, new in zip(self.replicas, news, strict=True):
+            e.update_weights(new)
 
     def largest(self) -> Engine:
         """The replica with the largest KV pool: the one whose limits the API side checks first."""
@@ -127,7 +135,8 @@ class DataParallelEngine:
             engine.abort(request_id)
 
     def finish_sequence(self, seq_id: str, reason: str, stop_reason: int | str | None = None) -> None:
-        engine = self._owner.get(seq_id.split("#")[0])
+        # A sample of an n > 1 request is "<request id>#<index>"; a request id may hold '#' itself.
+        engine = self._owner.get(seq_id) or self._owner.get(seq_id.rpartition("#")[0])
         if engine is not None:
             engine.finish_sequence(seq_id, reason, stop_reason)
 

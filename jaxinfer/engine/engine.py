@@ -320,6 +320,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None or bool(self._failed)
 
+    def largest(self) -> Engine:
+        """The engine whose limits (KV pool, pages) a request is checked against: this one. (DataParallelEngine:
+        its largest replica.)"""
+        return self
+
     # ------------------------------------------------------------------------------------------ failures
 
     def _fail(self, req: Request, error: BaseException | str) -> None:

@@ -121,7 +121,7 @@ class ServerState:
         log.info("compiled steps warmed up in %.1fs", warm_up(engine, prompt_logprobs=True).seconds)
         self.tokenizer = tokenizer
         self.max_model_len = engine.cc.max_model_len
-        self.kv_tokens = engine.runner.num_kv_tokens
+        self.kv_tokens = engine.largest().runner.num_kv_tokens  # a DataParallelEngine's largest replica
         self.max_logprobs = engine.cc.max_logprobs
         limits = StreamLimits(self.args.stream_stall_timeout, self.args.max_stream_buffer)
         self.engine = AsyncEngine(engine, tokenizer, self.args.max_waiting, limits)
