@@ -125,7 +125,7 @@ class EngineArgs:
     session_ttl: float = CacheConfig.session_ttl
     session_cache_pages: int | None = CacheConfig.session_cache_pages
     # Prefix pages the pool gives up are kept in host memory and copied back on a hit (jaxinfer.cache.host_tier):
-    # bytes per replica, or text like "8GiB"; None: 1 GiB on GPU/TPU, off on CPU; 0: off.
+    # bytes, or text like "8GiB", shared equally by data-parallel replicas; None: 1 GiB on GPU/TPU, off on CPU; 0: off.
     host_kv_cache_memory: int | str | None = None
     layer_loop: str = CacheConfig.layer_loop  # "auto" (per backend), "scan" or "unroll"
     # "auto": a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset takes the model's

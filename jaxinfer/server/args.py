@@ -179,8 +179,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--host-kv-cache-memory",
         type=_bytes("--host-kv-cache-memory", zero_turns_off=True),
         default=D.host_kv_cache_memory,
-        help="host memory per replica for prefix KV pages the device pool gives up, copied back on a hit instead of"
-        " recomputed, e.g. 8GiB (default: 1GiB on GPU/TPU, off on CPU; 0: off)",
+        help="host memory for prefix KV pages the device pool gives up, copied back on a hit instead of recomputed,"
+        " e.g. 8GiB; data-parallel replicas share it equally (default: 1GiB on GPU/TPU, off on CPU; 0: off)",
     )
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--max-logprobs", type=_positive_int, default=D.max_logprobs,
