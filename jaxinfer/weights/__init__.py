@@ -93,6 +93,10 @@ def load_weights(
     path, kind = _locate(model)
     backend = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     dtype = resolve_dtype(dtype, backend, checkpoint_dtype(path) if dtype == "auto" else None)
+    if mesh is not None:  # an impossible mesh is refused from the metadata, before a GGUF is converted (seconds)
+        from jaxinfer.sharding import MODEL, check_tensor_parallel
+
+        check_tensor_parallel(read_model_config(path, dtype), mesh.shape[MODEL])
     if kind == "checkpoint":
         cfg, params, source = _restore(path, dtype, mesh)
         # `jaxinfer convert` copies the source's tokenizer (an HF directory's files, a GGUF's as tokenizer.gguf): the

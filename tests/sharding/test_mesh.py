@@ -200,6 +200,17 @@ def test_impossible_meshes_are_clear_errors(tp, field):
 
 
 @child_only
+def test_an_impossible_mesh_is_refused_before_a_gguf_is_converted(tmp_path):
+    """SmolLM2's 9 heads over 2 devices: refused from the GGUF's metadata, with nothing converted or cached."""
+    from jaxinfer.model_files import smollm2_gguf
+    from jaxinfer.weights import load_weights
+
+    with pytest.raises(ShardingError, match="num_heads"):
+        load_weights(smollm2_gguf(), "float32", cache_dir=tmp_path, mesh=make_mesh(2, 1))
+    assert not any(tmp_path.iterdir())
+
+
+@child_only
 def test_kv_heads_that_cannot_replicate_evenly():
     cfg = _tiny_cfg().replace(num_heads=12, num_kv_heads=3, intermediate_size=96, vocab_size=96)
     with pytest.raises(ShardingError, match="num_kv_heads"):
