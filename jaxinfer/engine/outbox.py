@@ -51,7 +51,9 @@ class _Outputs:
             logprobs.extend(u.new_logprobs or [])
             self.updates[sid] = dataclasses.replace(
                 u, new_token_ids=tokens, new_logprobs=logprobs,
+                # What only the first token's update carries is kept from it.
                 prompt_logprobs=old.prompt_logprobs if old.prompt_logprobs is not None else u.prompt_logprobs,
+                timing=old.timing if old.timing is not None else u.timing,
                 error=u.error if u.error is not None else old.error,
             )  # fmt: skip
         self.stats = stats

@@ -157,3 +157,22 @@ def test_a_stalled_results_reader_gets_merged_messages_in_order():
         assert merged >= 50, f"{len(received)} messages for {tokens} steps: nothing was merged"
     finally:
         engine.shutdown()
+
+
+def test_merged_updates_keep_what_only_the_first_token_carries():
+    """The first token's update alone carries the sequence's timing (queue time, cached prompt tokens) and its
+    prompt logprobs; merged with later steps' updates while the API side lags, both stay, the tokens join and the
+    newest finish wins."""
+    from jaxinfer.engine.outbox import _Outputs
+    from jaxinfer.types import SeqTiming
+
+    timing = SeqTiming(queued_s=0.5, first_token_s=0.9, num_cached_tokens=48, prefill_chunks=[[0.5, 0.9, 16]])
+    first = SeqUpdate("r", [7], [{7: -0.1}], False, None, prompt_logprobs=[None, {3: -1.0}], timing=timing)
+    later = [SeqUpdate("r", [8 + i], [{8 + i: -0.2}], i == 2, "length" if i == 2 else None) for i in range(3)]
+    out = _Outputs([first], {"n": 1})
+    for u in later:
+        out.add([u], {"n": 2})
+    merged = out.updates["r"]
+    assert merged.timing == timing and merged.prompt_logprobs == [None, {3: -1.0}]
+    assert (merged.new_token_ids, merged.finished, merged.finish_reason) == ([7, 8, 9, 10], True, "length")
+    assert first.new_token_ids == [7] and out.stats == {"n": 2}
