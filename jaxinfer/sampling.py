@@ -45,6 +45,7 @@ SAMPLING_EPS = 1e-5  # temperatures below this are greedy: SamplingParams gives 
 TOPK_CAP = 256  # default static size of the lax.top_k fast path for top-k/top-p
 _BLOCK = 256  # vocab block of the two-level argmax and inverse-CDF search
 _NEG_INF = float("-inf")
+_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
 @jax.tree_util.register_dataclass
@@ -153,7 +154,9 @@ def build_sampling_tensors(
             raise ValueError(f"seed: row {i} has seed {r.seed}, outside [0, 2**32)")
         if not 0 <= r.counter < 2**31:
             raise ValueError(f"counter: row {i} has counter {r.counter}, outside [0, 2**31)")
-        temp[i], top_k[i], top_p[i], min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
+        # top_p below float32's normal range is 0 to the device (flushed), which would keep no token at all: the
+        # smallest normal float keeps the top one, as any p that small does.
+        temp[i], top_k[i], top_p[i], min_p[i] = r.temperature, r.top_k, max(r.top_p, _TINY), r.min_p
         seeds[i], counter[i] = r.seed, r.counter
         if not advanced:
             continue

@@ -223,6 +223,14 @@ def test_greedy_and_mixed_rows():
     np.testing.assert_array_equal(np.asarray(always), argmax)
 
 
+@pytest.mark.parametrize("top_p", [1e-40, 1e-38, 1e-30])
+def test_a_top_p_too_small_for_float32_keeps_the_top_token(top_p):
+    """top_p is in (0, 1]; one below float32's normal range was 0 on the device, kept nothing and sampled token 0."""
+    lg = _logits(1, S8)
+    rows = [RowSampling(temperature=1.0, top_p=top_p, seed=i) for i in range(S8)]
+    np.testing.assert_array_equal(_tokens(lg, rows), np.argmax(lg, axis=-1))
+
+
 # ---------------------------------------------------------------------------------------------- batch invariance
 
 TARGETS = [
