@@ -11,7 +11,7 @@ import re
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from jaxinfer.server.errors import APIError, bad_request
 
@@ -29,12 +29,16 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit * _DRAIN_FACTOR:
-            break
-        if size <= limit:
-            chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit * _DRAIN_FACTOR:
+                break
+            if size <= limit:
+                chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-body: nginx's 499 in the access log and metrics, not a server error
+        raise APIError(499, "the client closed the connection before sending the whole body",
+                       code="client_disconnected") from None  # fmt: skip
     if size > limit:
         raise too_large
     return b"".join(chunks)

@@ -71,8 +71,13 @@ CASES = [
     ("unknown model", C, _completion(model="gpt-17"), 404, "model"),
     ("unknown model (chat)", CHAT, _chat(model="gpt-17"), 404, "model"),
     ("detokenize out of vocab", "/detokenize", json.dumps({"tokens": [-1]}).encode(), 400, "tokens"),
-    ("tokenize: a prompt with add_generation_prompt", "/tokenize",
-     json.dumps({"prompt": "x", "add_generation_prompt": False}).encode(), 400, "add_generation_prompt"),
+    (
+        "tokenize: a prompt with add_generation_prompt",
+        "/tokenize",
+        json.dumps({"prompt": "x", "add_generation_prompt": False}).encode(),
+        400,
+        "add_generation_prompt",
+    ),
     # JSON escapes may spell half of a UTF-16 pair: no UTF-8 encoder takes it (tokenizer, engine, response).
     ("lone surrogate in prompt", C, b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
     ("lone surrogate in stop", C, b'{"prompt": "a", "stop": ["x", "\\udfff"], "stream": true}', 400, "stop.1"),
@@ -183,3 +188,30 @@ def test_still_serving_after_errors(http):
     assert http.get("/health").status_code == 200
     metrics = http.get("/metrics").text
     assert 'jaxinfer:http_errors_total{status="400"}' in metrics
+
+
+def test_a_client_gone_mid_body_is_a_499_not_a_server_error(server, http):
+    """A client that closes the connection halfway through its body: counted as nginx's 499 (client closed
+    request), never as a 500 with a traceback that would page whoever alerts on the server's error rate."""
+    import re
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    def count(status: str) -> float:
+        m = re.search(rf'^jaxinfer:http_errors_total{{status="{status}"}} (\S+)$', http.get("/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = count("500"), count("499")
+    url = urlsplit(server.url)
+    auth = "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
+    for _ in range(2):
+        with socket.create_connection((url.hostname, url.port)) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                         'Content-Length: 1000\r\n\r\n{"prompt": "hi"'.encode())  # fmt: skip
+            time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while count("499") < before[1] + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (count("500"), count("499")) == (before[0], before[1] + 2)
+    assert "unhandled error" not in server.log_tail(20000)
