@@ -82,8 +82,9 @@ def _engine_requests(
             kept = engine.validate(kept, params)
         except ValueError as e:
             raise from_value_error(e) from None
-        gate = None if prompt_only(req) else ctx.output_gate(kept, params)  # prompt only: no generated text shown
-        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation, gate))
+        scoring = prompt_only(req)
+        gate = None if scoring else ctx.output_gate(kept, params)  # prompt only: no generated text shown
+        subs.append(EngineRequest(f"{prefix}-{i}", text, kept, params, truncation, gate, scoring))
     return subs
 
 

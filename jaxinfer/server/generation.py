@@ -30,6 +30,7 @@ class EngineRequest:
     params: SamplingParams
     truncation: Truncation | None = None  # what the context-window rule dropped, when the request asked for it
     gate: OutputGate | None = None  # the output filters (--filters-config)
+    scoring_only: bool = False  # echo with max_tokens 0: the one token the engine makes is neither shown nor counted
 
 
 def usage(subs: list[EngineRequest], completion_tokens: int, outs: list[RequestOutput | None]) -> dict:
@@ -82,7 +83,8 @@ async def run_request(
                         steps = max(len(c.token_ids) for c in delta.outputs)
                         for _ in range(steps):
                             metrics.itl.observe((now - last) / steps)
-                    metrics.generation_tokens.inc(tokens - num_tokens)
+                    if not req.scoring_only:
+                        metrics.generation_tokens.inc(tokens - num_tokens)
                     num_tokens, last = tokens, now
                 ended = out.finished
                 if req.gate is not None:

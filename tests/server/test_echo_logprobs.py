@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.types import SamplingParams
+from tests.server.conftest import metric
 from tests.tiny_model import SETTINGS, settings_flags, write_tiny_model
 
 PROMPTS = ["The capital of France is", "def add(a, b):"]
@@ -227,8 +228,10 @@ def test_params_and_limits(served):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text
     # The token made while scoring is not shown, nor is how it would have ended the choice: stop_token_ids holding
     # it, or a stop string it begins, still give finish_reason "length" (vLLM's answer), not "stop".
+    # Nor is it counted as generated (/metrics).
     first = served[2][0].outputs[0].token_ids[0]
     scored = {**BODY, "prompt": PROMPTS[0], "max_tokens": 0, "ignore_eos": False}
+    generated = metric(client.get("/metrics").text, "jaxinfer:generation_tokens_total")
     for stop in ({"stop_token_ids": [first]}, {"stop": [served[1].decode([first])]}):
         for stream in (False, True):
             r = client.post("/v1/completions", json={**scored, **stop, "stream": stream})
@@ -238,6 +241,7 @@ def test_params_and_limits(served):
             else:
                 ch = r.json()["choices"][0]
             assert (ch["finish_reason"], ch["stop_reason"]) == ("length", None), (stop, stream, ch)
+    assert metric(client.get("/metrics").text, "jaxinfer:generation_tokens_total") == generated
     r = client.post("/v1/completions", json={**BODY, "max_tokens": 0, "echo": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = client.post("/v1/completions", json={**BODY, "logprobs": 21})
