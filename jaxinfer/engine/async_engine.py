@@ -33,6 +33,18 @@ class EngineDeadError(RuntimeError):
     """The engine thread died; no request can be served."""
 
 
+class RequestsEndedError(RuntimeError):
+    """`end_all`: the request was ended before it finished (a server's drain timeout); the engine lives on."""
+
+
+def end_streams(lock: threading.Lock, streams: dict, error: BaseException) -> None:
+    """Puts `error` in every stream of `streams` (request id -> StreamQueue, guarded by `lock`)."""
+    with lock:
+        waiting = list(streams.values())
+    for stream in waiting:
+        stream.put_threadsafe(error)
+
+
 # Prompts longer than this are validated on a worker thread: checking every id of a 100k-token prompt takes tens
 # of milliseconds, which the event loop's other streams would wait for.
 VALIDATE_ON_LOOP_TOKENS = 2048
@@ -114,6 +126,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def end_all(self, reason: str) -> None:
+        """Every open stream raises RequestsEndedError(reason) to its caller, whose leaving aborts its request."""
+        end_streams(self._lock, self._streams, RequestsEndedError(reason))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()

@@ -36,7 +36,12 @@ from typing import Any
 
 import zmq
 
-from jaxinfer.engine.async_engine import EngineDeadError, validate_off_loop  # one error for both fronts
+from jaxinfer.engine.async_engine import (  # one error for both fronts
+    EngineDeadError,
+    RequestsEndedError,
+    end_streams,
+    validate_off_loop,
+)
 from jaxinfer.engine.core_process import COMMANDS_HWM, pack, params_to_wire, run_core, unpack, update_from_wire
 from jaxinfer.engine.outbox import RESULTS_HWM
 from jaxinfer.engine.stream_queue import StreamLimits, StreamQueue
@@ -235,6 +240,10 @@ class MPAsyncEngine:
         self._changes.put(("abort", request_id))
         self._send(["abort", request_id])
 
+    def end_all(self, reason: str) -> None:
+        """Every open stream raises RequestsEndedError(reason) to its caller, whose leaving aborts its request."""
+        end_streams(self._lock, self._streams, RequestsEndedError(reason))
+
     def _cut(self, request_id: str) -> None:
         """Aborts a request whose stream is gone (closed early, or cut off): no last output."""
         self._changes.put(("forget", request_id))
@@ -402,9 +411,7 @@ class MPAsyncEngine:
         with self._lock:
             if self.error is None:
                 self.error = error
-            streams = list(self._streams.values())
-        for stream in streams:
-            stream.put_threadsafe(error)
+        end_streams(self._lock, self._streams, error)
 
 
 def _describe(exitcode: int | None) -> str:

@@ -9,6 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from jaxinfer.engine.async_engine import RequestsEndedError
 from jaxinfer.engine.output import OutputAccumulator
 from jaxinfer.engine.stream_queue import SlowReaderError
 from jaxinfer.server.errors import APIError
@@ -102,6 +103,9 @@ async def run_request(
         if isinstance(e, APIError):
             admission.failed(e.status, e.code)
             raise
+        if isinstance(e, RequestsEndedError):  # the drain timeout ended it: the server is going away
+            admission.failed(503, "shutting_down")
+            raise APIError(503, f"the server shut down before the request finished: {e}", code="shutting_down") from e
         if engine.alive:
             admission.failed(500, type(e).__name__)
             raise

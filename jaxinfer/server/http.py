@@ -94,6 +94,10 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
             elif time.monotonic() >= self._drain_deadline:
                 log.warning("drain timeout: aborting %d in-flight requests", self.state.in_flight)
+                # Ended here, they answer 503 shutting_down (a stream: in-band, then [DONE]) within uvicorn's
+                # grace period; cancelled by uvicorn after it, they would get its plain-text 500.
+                if self.state.engine is not None:
+                    self.state.engine.end_all(f"--graceful-shutdown-timeout ({self.drain_timeout:g}s) passed")
                 self.should_exit = True
         return await super().on_tick(counter)
 

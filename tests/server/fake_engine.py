@@ -66,6 +66,9 @@ class FakeEngine:
         self.step_delay = 0.0  # seconds each step takes, as a device would
         self.sampling_defaults: dict[str, float | int] = {}  # a model's generation_config.json values, as Engine's
 
+    def largest(self) -> FakeEngine:
+        return self  # as Engine's: the engine whose limits a request is checked against
+
     def cache_stats(self) -> dict[str, float]:
         return {}  # no sessions, no host tier
 
