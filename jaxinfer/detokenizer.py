@@ -76,6 +76,10 @@ class IncrementalDetokenizer:
         # than the context's own text when a pending tail is held for an unfinished character.
         self._window_text = self._decode(self._ids)
 
+        # Where the run of sentencepiece byte-fallback pieces the tokens end in starts, if they end in one: such a
+        # run renders as a whole (valid UTF-8, or U+FFFD for every byte), so a later byte can still change it all.
+        self._byte_run: int | None = None
+
         # Decoded text not emitted yet because it could be the start of a stop string.
         self._held = ""
         self._parts: list[str] = []  # emitted deltas; joined lazily by `text`
@@ -104,7 +108,13 @@ class IncrementalDetokenizer:
             return ""
         if self._finished:
             raise RuntimeError("add() after flush(): the held-back text has been released already")
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if _BYTE_PIECE.fullmatch(self._tokenizer.id_to_token(token_id) or ""):
+            if self._byte_run is None:
+                self._byte_run = len(self._ids) - 1
+        elif not (self._skip_special_tokens and self._tokenizer.is_special(token_id)):  # skipped: the run goes on
+            self._byte_run = None
         return self._on_text(self._decode_step(), final=False)
 
     def flush(self) -> str:
@@ -139,17 +149,15 @@ class IncrementalDetokenizer:
 
     def _decode_step(self) -> str:
         """New final text after the latest token; moves the window forward when its text ends cleanly."""
+        if self._byte_run is not None:
+            # Only the text before an open byte-fallback run is final; the window waits for the run to end.
+            return self._emit_stable(self._decode(self._ids[self._prefix_offset : max(self._byte_run,
+                                                                                     self._read_offset)]))  # fmt: skip
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if new_text.endswith(_REPLACEMENT) and self._tail_may_change():
+        if new_text.endswith(_REPLACEMENT) and self._ends_mid_character():
             # The tail holds an unfinished character. Text before it is final (byte-level decoding is left to
-            # right; a byte-fallback run re-renders only as a whole, and all of it is U+FFFD while unfinished),
-            # so emit that much and keep the window where it is until the character completes.
-            stable = new_text.rstrip(_REPLACEMENT)
-            if len(stable) > len(self._window_text) and stable.startswith(self._window_text):
-                delta = stable[len(self._window_text) :]
-                self._window_text = stable
-                return delta
-            return ""
+            # right), so emit that much and keep the window where it is until the character completes.
+            return self._emit_stable(new_text.rstrip(_REPLACEMENT))
         if len(new_text) <= len(self._window_text):
             # Nothing new (e.g. a skipped special token). The window keeps its start, so the context that decides
             # e.g. a sentencepiece leading space is still there for the next token.
@@ -164,17 +172,22 @@ class IncrementalDetokenizer:
         self._window_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         return delta
 
-    def _tail_may_change(self) -> bool:
-        """Whether the U+FFFD the pending tokens end in may still become other text: they end in the first bytes of
-        a UTF-8 character that later tokens may complete, or in a byte-fallback piece (sentencepiece renders a run
-        of byte pieces as a whole, and a later byte can turn all of it to U+FFFD). Otherwise (byte-level BPE: a
-        stray continuation byte, a broken sequence) it is final text: waiting on it would keep the window from
-        moving, and every later token would decode all the tokens since (quadratic)."""
+    def _emit_stable(self, stable: str) -> str:
+        """`stable`: the window's text up to what may still change. Returns its part not emitted yet."""
+        if len(stable) > len(self._window_text) and stable.startswith(self._window_text):
+            delta = stable[len(self._window_text) :]
+            self._window_text = stable
+            return delta
+        return ""
+
+    def _ends_mid_character(self) -> bool:
+        """Whether the pending tokens end in the first bytes of a UTF-8 character that later tokens may complete.
+        A U+FFFD that nothing can complete (byte-level BPE: a stray continuation byte, a broken sequence) is final
+        text: waiting on it would keep the window from moving, and every later token would decode all the tokens
+        since (quadratic)."""
         pending = [i for i in self._ids[self._read_offset :] if not (self._skip_special_tokens and
                                                                      self._tokenizer.is_special(i))]  # fmt: skip
-        if not pending or _BYTE_PIECE.fullmatch(self._tokenizer.id_to_token(pending[-1]) or ""):
-            return True
-        return _incomplete_utf8_tail(b"".join(self._tokenizer.token_bytes(i) for i in pending[-4:]))
+        return not pending or _incomplete_utf8_tail(b"".join(self._tokenizer.token_bytes(i) for i in pending[-4:]))
 
     # ---- stop strings ----------------------------------------------------------------------------------------
 

@@ -160,6 +160,20 @@ def test_bytes_no_character_can_complete_are_final(tok: Tokenizer, tail: str) ->
         assert max(rec.lengths) <= 16
 
 
+def test_a_byte_fallback_run_is_final_only_when_it_ends(gemma3: Tokenizer) -> None:
+    """Sentencepiece renders a run of byte pieces as a whole: <0xCF><0x8F> is 'Ϗ', but <0x80> after it turns
+    the run to three U+FFFD. Nothing of a run is emitted until a non-byte token ends it (the stream once held 'Ϗ',
+    which the full decode does not); a run of stray bytes costs O(1) a token all the same."""
+    gen = [_byte_token(gemma3, b) for b in (0xCF, 0x8F, 0x80)] + _enc(gemma3, "x") + [_byte_token(gemma3, 0x80)] * 300
+    rec = _RecordingTokenizer(gemma3)
+    det = IncrementalDetokenizer(rec, gemma3.encode(PROMPT))  # type: ignore[arg-type]
+    deltas = _stream(det, gen[:4], flush=False)
+    assert "".join(deltas) == gemma3.decode(gen[:4]) == "\ufffd" * 3 + "x"
+    later = [det.add(i) for i in gen[4:]]
+    assert not any(later) and det.text + det.flush() == gemma3.decode(gen)
+    assert max(rec.lengths) <= 16 + 300  # the run's one decode at the end
+
+
 # ---- characters split across tokens ------------------------------------------------------------------------
 
 
