@@ -333,17 +333,17 @@ def make_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     ns = make_parser().parse_args(argv)
-    if ns.max_waiting is not None and ns.max_waiting < 0:
-        make_parser().error("--max-waiting must be >= 0")
+    if ns.max_waiting is not None and ns.max_waiting < 1:  # 0 would refuse every request
+        make_parser().error("--max-waiting must be >= 1")
     if not 0 < ns.gpu_memory_utilization <= 1:
         make_parser().error("--gpu-memory-utilization must be in (0, 1]")
-    if ns.api_keys_file is not None:  # a bad file stops the start, before the model loads
+    if ns.api_key is not None or ns.api_keys_file is not None:  # bad keys stop the start, before the model loads
         from jaxinfer.server.keys import KeyFileError, KeyRing
 
         try:
             KeyRing(ns.api_key, ns.api_keys_file)
         except KeyFileError as e:
-            make_parser().error(f"--api-keys-file: {e}")
+            make_parser().error(str(e) if str(e).startswith("--api-key ") else f"--api-keys-file: {e}")
     if ns.filters_config is not None:  # a bad file stops the server before it starts, not at its first request
         from jaxinfer.server.filters import load_filters
 

@@ -43,6 +43,15 @@ class KeyFileError(ValueError):
     """The keys file is missing or malformed; the message names the line (never a key)."""
 
 
+def check_key(key: str, where: str) -> None:
+    """A key a client can present: not empty (an empty --api-key would turn authentication off without a word),
+    no surrounding whitespace (the server strips what a client sends, so such a key could never match)."""
+    if not key.strip():
+        raise KeyFileError(f"{where} is empty: give a key, or leave it out to serve without one")
+    if key != key.strip():
+        raise KeyFileError(f"{where} has spaces around it, which a client's key can never match")
+
+
 def _parse_line(obj: object, where: str) -> APIKey:
     if not isinstance(obj, dict):
         raise KeyFileError(f"{where}: expected a JSON object")
@@ -52,6 +61,7 @@ def _parse_line(obj: object, where: str) -> APIKey:
     for name in ("id", "key"):
         if not isinstance(obj.get(name), str) or not obj[name].strip():
             raise KeyFileError(f"{where}: `{name}` must be a non-empty string")
+    check_key(obj["key"], f"{where}: `key`")
     limits = {}
     for name in _LIMITS:
         v = obj.get(name)
@@ -89,6 +99,8 @@ class KeyRing:
     comparison is of equal-length SHA-256 digests, and none stops early), so timing tells nothing about a key."""
 
     def __init__(self, api_key: str | None = None, keys_file: str | None = None):
+        if api_key is not None:
+            check_key(api_key, "--api-key")
         self.api_key = api_key
         self.keys_file = keys_file
         self._lock = threading.Lock()

@@ -185,10 +185,14 @@ class ServerState:
         self.require_ready()
         bound = self.args.max_waiting
         seqs = num_requests * seqs_per_request
+        if bound is not None and seqs > bound:  # no retry would ever fit it: the client's to change, not to retry
+            raise APIError(400, f"the request makes {seqs} sequences ({num_requests} prompt(s) x n="
+                           f"{seqs_per_request}); at most {bound} may wait (--max-waiting)",
+                           "n" if seqs_per_request > 1 else "prompt")  # fmt: skip
         if bound is not None and self.waiting + seqs > bound:
             raise APIError(
                 429, f"too many sequences are waiting ({self.waiting} + {seqs}, at most {bound}); retry later",
-                code="queue_full",
+                code="queue_full", headers={"Retry-After": "1"},
             )  # fmt: skip
         self.in_flight += num_requests
         self.waiting += seqs

@@ -36,7 +36,9 @@ def test_vllm_flags(monkeypatch):
 @pytest.mark.parametrize(
     "argv",
     [["--tensor-parallel-size", "0"], ["--data-parallel-size", "-4"], ["--max-num-seqs", "0"],
-     ["--gpu-memory-utilization", "1.5"], ["--max-waiting", "-1"], ["--bogus"]],
+     ["--gpu-memory-utilization", "1.5"], ["--max-waiting", "-1"], ["--max-waiting", "0"], ["--bogus"],
+     # an empty key would turn authentication off; one with spaces around it could never match
+     ["--api-key", ""], ["--api-key", " sk-a "]],
 )  # fmt: skip
 def test_bad_flags_exit_2(argv):
     with pytest.raises(SystemExit) as e:

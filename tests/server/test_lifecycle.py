@@ -114,7 +114,14 @@ def test_429_when_the_queue_is_full(make_server):
         while srv.state.waiting < 2:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        _error(srv.http.post("/v1/completions", json=BODY), 429, "queue_full")
+        r = srv.http.post("/v1/completions", json=BODY)
+        _error(r, 429, "queue_full")
+        assert r.headers["retry-after"] == "1"
+        # One that no wait would ever let in is the client's to change: a 400 naming what to change.
+        r = srv.http.post("/v1/completions", json={**BODY, "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        r = srv.http.post("/v1/completions", json={**BODY, "prompt": ["a", "b", "c"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         srv.engine.paused = False
         assert [f.result().status_code for f in held] == [200, 200]
     assert srv.http.post("/v1/completions", json=BODY).status_code == 200

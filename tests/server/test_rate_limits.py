@@ -220,7 +220,8 @@ def test_bad_keys_file_stops_the_start(tmp_path, capsys):
     for text, says in (('{"id": "a", "key": "sk-a", "rpm": 0}\n', "keys.jsonl:1: `rpm` must be a positive integer"),
                        ('{"id": "a", "key": "sk-a"}\n{"id": "a", "key": "sk-b"}\n', "key id 'a' appears twice"),
                        ('\n{"id": "b", "key": "sk-b"}\n{not json\n', "keys.jsonl:3: not JSON"),
-                       ('{"id": "a", "key": "sk-a", "burst": 3}\n', "unknown field(s) ['burst']")):  # fmt: skip
+                       ('{"id": "a", "key": "sk-a", "burst": 3}\n', "unknown field(s) ['burst']"),
+                       ('{"id": "a", "key": " sk-a"}\n', "keys.jsonl:1: `key` has spaces around it")):  # fmt: skip
         bad.write_text(text)
         with pytest.raises(SystemExit) as e:
             parse_args(["--api-keys-file", str(bad)])
