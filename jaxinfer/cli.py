@@ -70,6 +70,9 @@ def _fill_missing_help(parser: argparse.ArgumentParser) -> None:
 
 def run_server(args: ServerArgs) -> int:
     """What `python serve.py` and `jaxinfer serve` run: the HTTP server, the model loading behind it."""
+    from jaxinfer.server.keys import defer_hangups
+
+    defer_hangups()  # a key reload (SIGHUP) during the start would otherwise end the process
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every restore step at info

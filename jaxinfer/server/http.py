@@ -28,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from jaxinfer.server.args import ServerArgs
+from jaxinfer.server.keys import take_deferred_hangup
 from jaxinfer.server.state import Phase, ServerState
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.on_hangup is not None and threading.current_thread() is threading.main_thread():
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.on_hangup)
+            if take_deferred_hangup():  # one came during start-up (jaxinfer.cli deferred it): reload now
+                self.on_hangup()
         await super().startup(sockets)
         if self.started:
             self.state.start_loading()

@@ -13,11 +13,28 @@ import hashlib
 import hmac
 import json
 import logging
+import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+_early_hangup = threading.Event()
+
+
+def defer_hangups() -> None:
+    """Until the server's own SIGHUP handler is in place, a SIGHUP (a supervisor's reload) is remembered instead of
+    killing the process, its default action; `take_deferred_hangup` tells the server to reload once it serves."""
+    if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, lambda *_: _early_hangup.set())
+
+
+def take_deferred_hangup() -> bool:
+    """Whether a SIGHUP came before the server's handler was in place (cleared by asking)."""
+    came = _early_hangup.is_set()
+    _early_hangup.clear()
+    return came
 
 DEFAULT_KEY_ID = "default"
 _LIMITS = ("rpm", "tpm", "max_concurrent")

@@ -4,6 +4,7 @@ servers in front of `FakeEngine`; the SIGHUP reload on a server process of its o
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -230,6 +231,28 @@ def test_bad_keys_file_stops_the_start(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--api-keys-file", str(tmp_path / "missing.jsonl")])
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_a_sighup_during_the_start_is_a_reload_once_serving(tmp_path):
+    """SIGHUP's default action ends the process: before the server's handler is in place, one (a supervisor's
+    reload, a key-rotation cron) is remembered, and the keys are read again once the server serves."""
+    keys = write_keys(tmp_path / "keys.jsonl", {"id": "a", "key": "sk-a"})
+    port = free_port()
+    log = (tmp_path / "server.log").open("w")
+    cmd = [sys.executable, "-m", "tests.server.fake_server", "--port", str(port), "--api-keys-file", str(keys)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "FAKE_SERVER_HANGUP_AT_START": "1"})  # fmt: skip
+    try:
+        wait_ready(ServerProcess(proc, f"http://127.0.0.1:{port}", tmp_path / "server.log"), timeout=60)
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=BODY, headers=auth("sk-a"),
+                          timeout=30).status_code == 200  # fmt: skip
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "API keys reloaded: 1 key(s) (a)" in (tmp_path / "server.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_keys_file_reload_on_sighup(tmp_path):
