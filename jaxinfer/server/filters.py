@@ -171,8 +171,11 @@ def _build(spec: dict, index: int) -> tuple[ContentFilter, list[str]]:
     if not isinstance(stages, list) or not stages or any(s not in _STAGES for s in stages):
         raise ValueError(f"{where}.apply_to: a non-empty list of {list(_STAGES)}")
     name = spec.pop("name", kind)
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"{where}.name: a string, got {name!r}")
     try:
         if kind == "blocklist":
+            _check_blocklist_fields(spec, where)
             return BlocklistFilter(name=name, **spec), stages
         if kind == "python":
             cls = _import(spec.pop("class", None), where)
@@ -189,6 +192,28 @@ def _build(spec: dict, index: int) -> tuple[ContentFilter, list[str]]:
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     raise ValueError(f"{where}.type: one of 'blocklist', 'python', got {kind!r}")
+
+
+# A blocklist's fields and the type each must have: JSON's "secret" for ["secret"] would otherwise block every
+# text holding one of its letters, and "false" would be true.
+_BLOCKLIST_FIELDS: dict[str, tuple[type, str]] = {
+    "phrases": (list, "a list of strings"),
+    "patterns": (list, "a list of strings"),
+    "ignore_case": (bool, "true or false"),
+    "max_match_chars": (int, "a positive integer"),
+}
+
+
+def _check_blocklist_fields(spec: dict, where: str) -> None:
+    for field, value in spec.items():
+        if field not in _BLOCKLIST_FIELDS:
+            continue  # BlocklistFilter names an unknown field itself
+        kind, what = _BLOCKLIST_FIELDS[field]
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if ok and kind is list:
+            ok = all(isinstance(v, str) for v in value)
+        if not ok:
+            raise ValueError(f"{where}.{field}: {what}, got {value!r}")
 
 
 def _import(target: object, where: str) -> type:

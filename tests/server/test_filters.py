@@ -96,6 +96,12 @@ def test_config_errors_name_the_problem(tmp_path):
         json.dumps({"filters": [{"type": "blocklist", "phrases": ["x"], "colour": 1}]}): "colour",
         json.dumps({"filters": [{"type": "python", "class": "tests.server.test_filters:Nope"}]}): "cannot import",
         json.dumps({"filters": [{"type": "python", "class": "json:JSONDecoder"}]}): "not a jaxinfer",
+        # Types: a string for a list would block every text holding one of its letters; "false" would be true.
+        json.dumps({"filters": [{"type": "blocklist", "phrases": "secret plan"}]}): "filters[0].phrases: a list",
+        json.dumps({"filters": [{"type": "blocklist", "phrases": [5]}]}): "filters[0].phrases: a list of strings",
+        json.dumps({"filters": [{"type": "blocklist", "phrases": ["x"], "ignore_case": "false"}]}): "ignore_case",
+        json.dumps({"filters": [{"type": "blocklist", "patterns": ["x"], "max_match_chars": "3"}]}): "max_match",
+        json.dumps({"filters": [{"type": "blocklist", "phrases": ["x"], "name": 5}]}): "filters[0].name",
     }
     for i, (text, needle) in enumerate(cases.items()):
         path = tmp_path / f"f{i}.json"
