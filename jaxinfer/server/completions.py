@@ -14,7 +14,7 @@ from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
-from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
+from jaxinfer.server.generation import EngineRequest, final_output, run_request, scored_only, usage
 from jaxinfer.server.logprobs import TextOffsets, completion_logprobs, join_logprobs
 from jaxinfer.server.protocol import CompletionRequest
 from jaxinfer.server.sampling import check_fanout, completion_params, prompt_only, reject_unsupported
@@ -122,16 +122,7 @@ class _View:
         self.prompt_only = prompt_only(req)
 
     def _visible(self, out: RequestOutput) -> RequestOutput:
-        """echo with max_tokens 0: the one token the engine made while scoring the prompt is not part of it, nor
-        is how it would have ended the choice (a stop string or stop token it made): the choice ends at its length
-        limit, as vLLM's does."""
-        if not self.prompt_only:
-            return out
-        outs = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
-                                    cumulative_logprob=None, stop_reason=None,
-                                    finish_reason="length" if c.finish_reason == "stop" else c.finish_reason)
-                for c in out.outputs]  # fmt: skip
-        return dataclasses.replace(out, outputs=outs)
+        return scored_only(out) if self.prompt_only else out
 
     def _echo(self, sub: EngineRequest) -> str:
         if not self.req.echo:

@@ -3,6 +3,7 @@ request's `Admission` (counters, the access log and trace record)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -32,6 +33,17 @@ class EngineRequest:
     truncation: Truncation | None = None  # what the context-window rule dropped, when the request asked for it
     gate: OutputGate | None = None  # the output filters (--filters-config)
     scoring_only: bool = False  # echo with max_tokens 0: the one token the engine makes is neither shown nor counted
+
+
+def scored_only(out: RequestOutput) -> RequestOutput:
+    """echo with max_tokens 0: the one token the engine made while scoring the prompt is not part of the output,
+    nor is how it would have ended the choice (a stop string or stop token it made): the choice ends at its length
+    limit, as vLLM's does. What the response, the access log and the key's token count see."""
+    outs = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                cumulative_logprob=None, stop_reason=None,
+                                finish_reason="length" if c.finish_reason == "stop" else c.finish_reason)
+            for c in out.outputs]  # fmt: skip
+    return dataclasses.replace(out, outputs=outs)
 
 
 def usage(subs: list[EngineRequest], completion_tokens: int, outs: list[RequestOutput | None]) -> dict:
@@ -90,7 +102,7 @@ async def run_request(
                 ended = out.finished
                 if req.gate is not None:
                     out = await req.gate.screen(out)
-                admission.output(index, out)
+                admission.output(index, scored_only(out) if req.scoring_only else out)
                 if out.finished:
                     final = out
                 yield out

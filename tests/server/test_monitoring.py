@@ -152,3 +152,17 @@ def test_hit_rate_histograms_and_the_host_tier_hook():
     assert metric(text, "jaxinfer:request_host_cache_hit_rate_count") == 1
     assert metric(text, "jaxinfer:request_host_cache_hit_rate_sum") == pytest.approx(0.6)
     assert metric(text, "jaxinfer:request_queue_time_seconds_sum") == pytest.approx(0.25)
+
+
+def test_a_scored_prompt_is_logged_and_charged_without_output(traced):
+    """echo with max_tokens 0 scores the prompt: the token the engine makes meanwhile is no output, in the access
+    log and the key's token count as in usage."""
+    srv, _, path = traced
+    before = metric(srv.http.get("/metrics").text, "jaxinfer:api_key_tokens_total", key_id="team-a", kind="completion")
+    r = srv.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "echo": True},
+                      headers=auth("sk-secret-a"))  # fmt: skip
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text
+    (line,) = _access_lines(path)
+    assert (line["output_tokens"], line["finish_reason"]) == (0, ["length"])
+    text = srv.http.get("/metrics").text
+    assert metric(text, "jaxinfer:api_key_tokens_total", key_id="team-a", kind="completion") == before
