@@ -112,6 +112,11 @@ class Admission:
     def failed(self, status: int, code: str | None) -> None:
         self.record.status, self.record.error = status, code
 
+    def left(self) -> None:
+        """The client went away before the response's end: nginx's 499, unless a failure was recorded first."""
+        if self.record.status == 200:
+            self.failed(499, "client_disconnected")
+
     def release(self) -> None:
         if self._released:
             return

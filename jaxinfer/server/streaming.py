@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from jaxinfer.server.admission import Admission
 
 T = TypeVar("T")
 
@@ -30,14 +33,18 @@ def sse(obj: dict) -> str:
 
 
 class TrackedStream(StreamingResponse):
-    """A text/event-stream response that always closes its generator and then runs `on_close` (counters)."""
+    """A text/event-stream response that always closes its generator and then releases the request's admission
+    (counters, the access log): as a 499 when the client left before the stream's end."""
 
-    def __init__(
-        self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str] | None = None
-    ):
-        headers = {"Cache-Control": "no-cache", **(headers or {})}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self._on_close = on_close
+    def __init__(self, content: AsyncIterator[str], admission: Admission):
+        headers = {"Cache-Control": "no-cache", **admission.headers()}
+        self._content, self._admission, self._complete = content, admission, False
+        super().__init__(self._tracked(), media_type="text/event-stream", headers=headers)
+
+    async def _tracked(self) -> AsyncIterator[str]:
+        async for chunk in self._content:
+            yield chunk
+        self._complete = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -45,8 +52,11 @@ class TrackedStream(StreamingResponse):
         finally:
             try:
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._content.aclose()  # type: ignore[attr-defined]
             finally:
-                self._on_close()
+                if not self._complete:
+                    self._admission.left()
+                self._admission.release()
 
 
 class ClientDisconnected(Exception):

@@ -166,3 +166,25 @@ def test_a_scored_prompt_is_logged_and_charged_without_output(traced):
     assert (line["output_tokens"], line["finish_reason"]) == (0, ["length"])
     text = srv.http.get("/metrics").text
     assert metric(text, "jaxinfer:api_key_tokens_total", key_id="team-a", kind="completion") == before
+
+
+def test_a_stream_its_client_left_is_logged_as_499(traced):
+    """A client that stops reading a stream and closes the connection: 499 client_disconnected in the access log,
+    as for a non-streamed request, not a 200."""
+    import time
+
+    import httpx
+
+    srv, _, path = traced
+    srv.engine.step_delay = 0.05
+    body = {"prompt": PROMPT, "max_tokens": 200, "stream": True}
+    with httpx.Client(base_url=srv.url, timeout=30) as c, c.stream(
+        "POST", "/v1/completions", json=body, headers=auth("sk-secret-a")
+    ) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    deadline = time.monotonic() + 10
+    while srv.state.in_flight or not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    (line,) = _access_lines(path)
+    assert (line["status"], line["error"]) == (499, "client_disconnected") and line["stream"] is True
