@@ -16,6 +16,7 @@ from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.chat import create_chat_completion
 from jaxinfer.server.completions import create_completion
 from jaxinfer.server.context import ServingContext
+from jaxinfer.server.edge import EdgeHeaders
 from jaxinfer.server.errors import APIError, install_handlers
 from jaxinfer.server.filters import load_filters
 from jaxinfer.server.metrics import Metrics
@@ -151,6 +152,7 @@ def build_app(
     app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     install_handlers(app, on_error=on_error)
+    app.add_middleware(EdgeHeaders, ctx=ctx)  # inside CORS, which answers preflights before any route
     if args.allowed_origins:  # browsers' preflight (OPTIONS) and CORS headers, before the API-key check
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])  # fmt: skip

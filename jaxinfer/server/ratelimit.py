@@ -161,6 +161,11 @@ class RateLimiter:
     def usage(self) -> list[KeyUsage]:
         return list(self._usage.values())
 
+    def headers(self, key: APIKey) -> dict[str, str]:
+        """The key's x-ratelimit-* headers now ({} for a key without limits)."""
+        u = self._usage.get(key.id)
+        return u.headers(self.clock()) if u is not None else {}
+
     def reserve(self, key: APIKey | None, tokens: int) -> Reservation:
         """Takes a request slot, one request and `tokens` for `key`, or raises a 429 (taking nothing)."""
         if key is None:

@@ -188,3 +188,20 @@ def test_a_stream_its_client_left_is_logged_as_499(traced):
         time.sleep(0.02)
     (line,) = _access_lines(path)
     assert (line["status"], line["error"]) == (499, "client_disconnected") and line["stream"] is True
+
+
+def test_every_api_response_of_a_limited_key_carries_its_headers_and_a_log_line(traced):
+    """/v1/models, /tokenize and a 400 carry the key's x-ratelimit-* headers (deployment.md: every response of a
+    limited key) and the client's X-Request-Id; the routes without an admission leave their access-log line."""
+    srv, _, path = traced
+    headers = {**auth("sk-secret-a"), "X-Request-Id": "find-me"}
+    answers = [srv.http.get("/v1/models", headers=headers),
+               srv.http.post("/tokenize", json={"prompt": "hi"}, headers=headers),
+               srv.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": -1}, headers=headers)]
+    assert [r.status_code for r in answers] == [200, 200, 400]
+    for r in answers:
+        assert r.headers["x-ratelimit-limit-tokens"] == "10000" and r.headers["x-request-id"] == "find-me", r.headers
+    assert srv.http.get("/health").status_code == 200
+    lines = [(x["id"], x["key_id"], x["endpoint"], x["status"]) for x in _access_lines(path)]
+    assert lines == [("find-me", "team-a", "/v1/models", 200), ("find-me", "team-a", "/tokenize", 200),
+                     ("find-me", "team-a", "/v1/completions", 400)]  # fmt: skip
