@@ -71,7 +71,10 @@ class AsyncEngine:
         self.limits = limits or StreamLimits()
         self.processor = OutputProcessor(tokenizer)
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, StreamQueue] = {}
+        self._streams: dict[str, StreamQueue] = {}  # the callers' streams, by request id (the caller side's)
+        # The engine thread's: the stream each request in the engine delivers to. A stream closed early and a new
+        # one under the same id (a retry) are told apart here, by the order of their commands.
+        self._targets: dict[str, StreamQueue] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -109,7 +112,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, ids, params))
+        self._send(("add", request_id, prompt, ids, params, stream))
         finished = False
         try:
             while True:
@@ -121,10 +124,11 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-            if not finished:
-                self._send(("abort", request_id))
+            if not finished:  # closed early: its request ends, and nothing more is delivered to it
+                self._send(("cut", request_id, stream))
 
     def abort(self, request_id: str) -> None:
+        """Aborts the request; its stream ends with a last output (finish_reason "abort")."""
         self._send(("abort", request_id))
 
     def end_all(self, reason: str) -> None:
@@ -148,10 +152,11 @@ class AsyncEngine:
     # ------------------------------------------------------------------------------------------ engine thread
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
+        stream = self._targets.get(request_id)
         if stream is not None:
             stream.put_threadsafe(item)
+            if isinstance(item, RequestOutput) and item.finished:
+                del self._targets[request_id]
 
     def _drain_commands(self) -> None:
         while True:
@@ -160,17 +165,25 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, ids, params = cmd
+                _, rid, prompt, ids, params, stream = cmd
                 try:
                     self.engine.add_request(ids, params, rid)
                     self.processor.add(rid, prompt, ids, params)
+                    self._targets[rid] = stream
                 except Exception as e:  # validated already; a race (duplicate id) still must not kill the loop
-                    self._deliver(rid, e)
+                    stream.put_threadsafe(e)
+            elif cmd[0] == "cut":
+                _, rid, stream = cmd
+                if self._targets.get(rid) is stream:  # still its request (not one that finished meanwhile)
+                    del self._targets[rid]
+                    self.engine.abort(rid)
+                    self.processor.forget(rid)
             elif cmd[0] == "abort":
                 self.engine.abort(cmd[1])
                 final = self.processor.abort(cmd[1])  # finish_reason "abort": a caller still waiting returns
                 if final is not None:
                     self._deliver(cmd[1], final)
+                self._targets.pop(cmd[1], None)
 
     def _loop(self) -> None:
         try:
@@ -187,16 +200,12 @@ class AsyncEngine:
         except BaseException as e:  # surface the failure to every waiting caller instead of hanging them
             log.exception("engine loop died")
             self.error = e
-            with self._lock:
-                rids = list(self._streams)
-            for rid in rids:
-                self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+            end_streams(self._lock, self._streams, EngineDeadError(f"engine failed: {e!r}"))
         else:  # shut down: streams still open end now, and their requests give their pages back
-            with self._lock:
-                rids = list(self._streams)
-            for rid in rids:
+            for rid in list(self._targets):
                 self.engine.abort(rid)
                 self.processor.forget(rid)
-                self._deliver(rid, EngineDeadError("the AsyncEngine was shut down"))
+            self._targets.clear()
+            end_streams(self._lock, self._streams, EngineDeadError("the AsyncEngine was shut down"))
         finally:
             self.engine.driver = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import jax
@@ -14,6 +15,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.async_engine import AsyncEngine
 from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.output import OutputAccumulator
 from jaxinfer.host_memory import release_freed_memory
 from jaxinfer.model import init_params
 from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
@@ -444,6 +446,21 @@ def test_async_engine_streams_and_aborts(tiny):
                 break
 
         await asyncio.gather(*(cut() for _ in range(1)))
+
+        # A retry under the id of a stream closed early (a timeout) is a request of its own: the old one's end
+        # (or its tokens) never reaches it.
+        async def first_output(rid: str):
+            async with contextlib.aclosing(ae.generate([4, 5], SamplingParams(max_tokens=50, temperature=0.0),
+                                                       rid)) as outs:  # fmt: skip
+                async for o in outs:
+                    return o
+
+        await first_output("retry")
+        whole = OutputAccumulator()
+        async for o in ae.generate([4, 5], SamplingParams(max_tokens=8, temperature=0.0), "retry"):
+            whole.add(o)
+        done = whole.result().outputs[0]
+        assert (done.finish_reason, len(done.token_ids)) == ("length", 8)
 
         async def aborted_by_another_task():
             outs = []
