@@ -210,6 +210,8 @@ class LLM:
         """Frees the weights, the KV pools and the compiled steps. The object cannot generate afterwards."""
         if self.engine is None:
             return
+        if self.engine.driver is not None:  # its thread steps the engine: freeing under it would kill that loop
+            raise RuntimeError("close: an AsyncEngine drives this LLM's engine; shut it down first")
         self.engine.release_sessions()
         for e in self._replicas():
             if e.host is not None:
@@ -230,6 +232,8 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
+        if self.engine is not None and self.engine.driver is not None:
+            return  # an AsyncEngine over the engine lives on (a notebook's pattern); the engine goes with it
         try:
             self.close()
         except Exception:

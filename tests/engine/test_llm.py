@@ -282,6 +282,11 @@ def test_an_async_engine_owns_its_engine_until_shut_down(smol):
         smol.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(RuntimeError, match="drives this engine already"):
         AsyncEngine(smol.engine, smol.tokenizer)
+    # Nor may the LLM free the engine under it; collected (the LLM built in a function), it leaves it alone.
+    with pytest.raises(RuntimeError, match="shut it down first"):
+        smol.close()
+    smol.__del__()
+    assert smol.engine is not None and not smol.engine.runner.pools_lost()
 
     async def main():
         got = []
