@@ -117,8 +117,10 @@ class LLM:
         for p, sp in zip(prompts, plist, strict=True):
             text, ids = self._prompt_ids(p)
             if sp.max_tokens is not None and len(ids) < context:
-                # As vLLM's offline LLM: generation stops at the context length ("length") rather than refusing.
-                sp = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, context - len(ids)))
+                # As vLLM's offline LLM: generation stops at the context length ("length") rather than refusing,
+                # min_tokens or not.
+                room = context - len(ids)
+                sp = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, room), min_tokens=min(sp.min_tokens, room))
             items.append((text, self.engine.validate(ids, sp), sp))
         rids: list[str] = []
         try:

@@ -274,7 +274,7 @@ class Engine:
             raise ValueError(f"request_id {rid!r} is already in use")
         if params.max_tokens is None:
             rest = resolved_max_tokens(params, len(prompt), self.cc.max_model_len)
-            params = dataclasses.replace(params, max_tokens=rest)
+            params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
         base_seed = device_seed(params.seed) if params.seed is not None else self._rng.getrandbits(32)
         sids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
         now = time.monotonic()

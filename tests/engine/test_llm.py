@@ -240,8 +240,10 @@ def _rss_bytes() -> int:
 
 def test_generate_stops_at_the_context_and_leaves_nothing_when_it_fails_early(smol):
     # As vLLM's offline LLM: a max_tokens past the context ends at the context ("length"), not an error.
-    out = smol.generate([[1] * 500], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    assert (len(out.token_ids), out.finish_reason) == (512 - 500, "length")
+    for min_tokens in (0, 20):  # min_tokens past the context too
+        sp = SamplingParams(max_tokens=100, min_tokens=min_tokens, ignore_eos=True)
+        out = smol.generate([[1] * 500], sp, use_tqdm=False)[0].outputs[0]
+        assert (len(out.token_ids), out.finish_reason) == (512 - 500, "length")
 
     def broken_bar(**kwargs):
         raise ZeroDivisionError  # a progress-bar factory that fails: the queued requests must not stay behind
@@ -407,6 +409,13 @@ def test_max_tokens_none_runs_to_the_context_length(tiny):
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
     SamplingParams(max_tokens=None, min_tokens=5)  # bounded by the context instead
+    # A min_tokens past the context ends at the context, as vLLM's, whether max_tokens was None or clamped to it.
+    for max_tokens in (None,):  # (clamped by LLM.generate: test_generate_stops_at_the_context_...)
+        got = []
+        eng.add_request(list(range(1, 61)), SamplingParams(max_tokens=max_tokens, min_tokens=20, temperature=0.0))
+        while eng.has_unfinished():
+            got += [t for u in eng.step() for t in u.new_token_ids]
+        assert len(got) == 4
 
 
 def test_seeds_take_openais_range():
