@@ -144,6 +144,10 @@ class EngineArgs:
         _check_int(self, "max_logprobs", 0)
         _check_int(self, "session_cache_pages", 0, optional=True)
         _check_int(self, "seed", None, optional=True)
+        for name in ("gpu_memory_utilization", "session_ttl"):  # numbers: a string failed deep in CacheConfig
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"{name}: must be a number, got {value!r}")
         for name in ("enable_prefix_caching", "enable_compilation_cache", "overlap_scheduling", "step_timeline"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")

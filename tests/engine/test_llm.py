@@ -163,7 +163,8 @@ def test_bad_sampling_params(kwargs, field):
     "kwargs, field",
     [({"max_num_seqs": 0}, "max_num_seqs"), ({"max_model_len": 0}, "max_model_len"),
      ({"enable_prefix_caching": "no"}, "enable_prefix_caching"), ({"max_logprobs": -1}, "max_logprobs"),
-     ({"num_kv_tokens": 1.5}, "num_kv_tokens"), ({"seed": "7"}, "seed"), ({"tensor_parallel_size": 0}, "tensor")],
+     ({"num_kv_tokens": 1.5}, "num_kv_tokens"), ({"seed": "7"}, "seed"), ({"tensor_parallel_size": 0}, "tensor"),
+     ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization"), ({"session_ttl": None}, "session_ttl")],
 )  # fmt: skip
 def test_bad_engine_settings_fail_at_construction(kwargs, field):
     """Once fell back to the default (`x or default`), passed as truthy, or built an engine that failed every
