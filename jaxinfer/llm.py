@@ -48,7 +48,8 @@ class LLM:
         if warmup:
             from jaxinfer.startup import warm_up
 
-            self.warmup_seconds = warm_up(self.engine).seconds
+            # Every program a request can select, prompt logprobs' too, as the server's warm-up.
+            self.warmup_seconds = warm_up(self.engine, prompt_logprobs=True).seconds
 
     def _replicas(self) -> list[Engine]:
         return getattr(self.engine, "replicas", [self.engine])

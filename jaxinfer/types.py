@@ -274,3 +274,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # the engine failed this request (finish_reason "error"); the message says why
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens found in the prefix cache (vLLM's field); None before the first token."""
+        return self.metrics.num_cached_tokens if self.metrics is not None else None

@@ -529,3 +529,20 @@ def test_prompt_logprobs_match_the_model(smol, length):
         assert plp[p][prompt[p]] == pytest.approx(float(ref[p - 1, prompt[p]]), abs=1e-4)
         top2 = np.argsort(-ref[p - 1])[:2]
         assert set(top2) <= set(plp[p])
+
+
+def test_warmup_compiles_every_program_a_request_can_select(tmp_path):
+    """LLM(warmup=True) compiles up front what the server's warm-up does, prompt logprobs' programs included: a
+    request asking for them compiled mid-run."""
+    from jaxinfer.engine.runner import compile_count
+    from tests.tiny_model import SETTINGS, write_tiny_model
+
+    write_tiny_model(tmp_path)
+    with LLM(str(tmp_path), warmup=True, **SETTINGS) as llm:
+        before = compile_count()
+        for sp in (SamplingParams(max_tokens=2, logprobs=3, presence_penalty=0.5),
+                   SamplingParams(max_tokens=2, prompt_logprobs=1),
+                   SamplingParams(max_tokens=2, prompt_logprobs=1, logprobs=1)):  # fmt: skip
+            llm.generate(["Hello there", "word " * 40], sp, use_tqdm=False)
+        assert compile_count() == before
+        assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].num_cached_tokens is not None
