@@ -171,6 +171,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    queue_order: int = 0  # the scheduler's count at add(): lower is older (n > 1 samples share an arrival_time)
     group: str | None = None  # the n > 1 samples of one prompt share a group, and so the prompt's pages
     block_hashes: list[int] = field(default_factory=list)  # hashes of the leading full pages, as registered
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission

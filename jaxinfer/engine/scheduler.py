@@ -15,6 +15,7 @@ scheduler releases pinned sessions (least recently used first).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -84,8 +85,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._added = itertools.count()
 
     def add(self, req: Request) -> None:
+        req.queue_order = next(self._added)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -249,6 +252,7 @@ class Scheduler:
         self.expire_sessions()
         budget, out = self.budget, []
         scheduled: set[int] = set()
+        preempted = False
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
         contended = len(self.running) + len(self.waiting) > 1
@@ -261,9 +265,18 @@ class Scheduler:
                 continue
             n = self._chunk(req, budget, contended)
             while not self._reserve(req, req.num_computed + n):
-                victims = [r for r in self.running if id(r) not in scheduled]
-                victim = max(victims, key=lambda r: r.arrival_time)
+                # The newest running request gives way, as vLLM's FCFS: even one scheduled earlier in this step (a
+                # newer decode ahead of an older prefill), which leaves the step again. Picking among the
+                # unscheduled only made an older prefill preempt itself again and again while newer requests
+                # ran; and n > 1 samples, of one arrival time, preempted each other forever.
+                victim = max(self.running, key=lambda r: r.queue_order)
+                if id(victim) in scheduled:
+                    dropped = next(s for s in out if s.req is victim)
+                    out.remove(dropped)
+                    scheduled.discard(id(victim))
+                    budget += dropped.num_new
                 self._preempt(victim)
+                preempted = True
                 if victim is req:
                     break
             if req.status is not Status.RUNNING:
@@ -271,6 +284,8 @@ class Scheduler:
             out.append(ScheduledSeq(req, n))
             scheduled.add(id(req))
             budget -= n
+        if preempted:  # as vLLM: the pages just freed go to the preempted requests first, not to new ones
+            return out
         for req in list(self.waiting):
             if budget == 0 or len(out) == self.max_num_seqs:
                 break

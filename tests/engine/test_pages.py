@@ -79,3 +79,73 @@ def test_long_prefill_does_not_starve_short_requests():
             x.req.num_computed += x.num_new
         steps += 1
     assert steps == 1 and long.num_computed < long.num_tokens  # the short prompt finished within the long one
+
+
+# ---------------------------------------------------------------------------------------------- liveness
+
+
+def _seq(rid: str, prompt_len: int, max_tokens: int, arrival: float, n: int = 1) -> list[Request]:
+    """One request's sequences (n > 1: samples of one arrival time sharing a group, as the engine adds them)."""
+    sp, prompt = SamplingParams(max_tokens=max_tokens, n=n), [(7 * i + len(rid)) % 900 + 1 for i in range(prompt_len)]
+    if n == 1:
+        return [Request(rid, prompt, sp, seed=0, arrival_time=arrival)]
+    return [Request(f"{rid}#{i}", list(prompt), sp, seed=i, arrival_time=arrival, group=rid) for i in range(n)]
+
+
+def _step(s: Scheduler, done: dict[str, int], step: int) -> None:
+    """One engine step, as Engine.step drives the scheduler (overlap off): compute, sample, commit, finish."""
+    for x in s.schedule():
+        x.req.num_computed += x.num_new
+        if x.samples:
+            x.req.output_token_ids.append(500 + len(x.req.output_token_ids))
+        s.commit(x.req)
+        if x.samples and len(x.req.output_token_ids) == x.req.params.max_tokens:
+            s.finish(x.req, "length")
+            done[x.req.request_id] = step
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_samples_that_fit_one_at_a_time_finish(prefix_cache):
+    """n = 3 samples of 35 tokens in a 48-token pool: one runs at a time. Tied on arrival, each sample took itself
+    for the newest and preempted itself, was admitted again in the same step, and the three never finished."""
+    s = Scheduler(PageAllocator(6, 8, prefix_cache), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+    samples = _seq("r", 6, 29, 0.0, n=3)
+    for r in samples:
+        s.add(r)
+    done: dict[str, int] = {}
+    for step in range(300):
+        if not s.has_work():
+            break
+        _step(s, done, step)
+    assert len(done) == 3 and max(r.num_preemptions for r in samples) <= 6, [r.num_preemptions for r in samples]
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_an_older_prefill_is_not_preempted_for_a_newer_decode(prefix_cache):
+    """vLLM's FCFS: the newest running request gives way, even one scheduled earlier in the step (decodes go
+    first). The older, still prefilling A used to preempt itself 8-36 times and finish after the newer B."""
+    s = Scheduler(PageAllocator(10, 16, prefix_cache), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512)
+    (a,), (b,) = _seq("A", 150, 8, 0.0), _seq("B", 40, 100, 1.0)
+    s.add(a)
+    s.add(b)
+    done: dict[str, int] = {}
+    for step in range(500):
+        if not s.has_work():
+            break
+        _step(s, done, step)
+    assert a.num_preemptions == 0 and done["A"] < done["B"] and done["A"] < 30, (done, b.num_preemptions)
+
+
+def test_a_long_prompt_in_a_stream_of_short_ones_finishes():
+    """A short request every 6 steps, and a long one that needs most of the pool: it used to be preempted by the
+    shorts admitted behind it, 60+ times in 600 steps, never finishing while the queue grew."""
+    s = Scheduler(PageAllocator(12, 16), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512)
+    done: dict[str, int] = {}
+    for step in range(400):
+        if step % 6 == 0:
+            s.add(_seq(f"s{step}", 10, 20, float(step))[0])
+        if step == 30:
+            (long,) = _seq("L", 150, 5, float(step))
+            s.add(long)
+        _step(s, done, step)
+    assert done["L"] < 30 + 60 and long.num_preemptions <= 2 and len(s.waiting) <= 2, (done.get("L"), len(s.waiting))
