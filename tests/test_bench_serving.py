@@ -374,7 +374,9 @@ def test_smoke_against_tiny_server(tiny_server: TinyServer, tmp_path: Path, caps
             assert r[f] > 0, (f, r[f])
         assert r["total_token_throughput"] > r["output_throughput"]
         assert r["p99_e2el_ms"] >= r["median_e2el_ms"] >= r["median_ttft_ms"]
-        assert len(r["detailed"]) == 6 and all(len(d["itl"]) >= 1 for d in r["detailed"])
+        # One gap between each two chunks; a loaded machine may read a whole short stream at once, not all.
+        assert len(r["detailed"]) == 6 and all(len(d["itl"]) == d["chunks"] - 1 for d in r["detailed"])
+        assert any(d["itl"] for d in r["detailed"])
     assert res["ratios"] == []  # one engine
 
 
