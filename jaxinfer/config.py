@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# Families whose activations overflow float16 (Gemma 3's: NaN in the first layers); vLLM refuses float16 for them.
+FLOAT16_UNSTABLE = frozenset({"gemma3"})
 # A user's own nnx.Module (jaxinfer.model.protocol): its config describes the KV cache, the module does the rest.
 CUSTOM_ARCH = "custom"
 

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxinfer.config import ModelConfig, from_gguf_metadata
+from jaxinfer.config import FLOAT16_UNSTABLE, ModelConfig, UnsupportedConfigError, from_gguf_metadata
 from jaxinfer.device import resolve_dtype
 from jaxinfer.gguf_file import read_gguf
 from jaxinfer.model.transformer import Params, abstract_model
@@ -92,7 +92,12 @@ def load_weights(
     `jaxinfer.device.auto_dtype` (float32 on CPU; the checkpoint's half precision, or bfloat16, on GPU/TPU)."""
     path, kind = _locate(model)
     backend = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    dtype = resolve_dtype(dtype, backend, checkpoint_dtype(path) if dtype == "auto" else None)
+    asked, dtype = dtype, resolve_dtype(dtype, backend, checkpoint_dtype(path) if dtype == "auto" else None)
+    if dtype == "float16" and (arch := read_model_config(path, dtype).arch) in FLOAT16_UNSTABLE:
+        if asked != "auto":  # as vLLM: refused, not served as NaN (every token then <pad>, every logprob -inf)
+            raise UnsupportedConfigError(f"dtype float16: {arch} models' activations overflow float16 (their "
+                                         "outputs become NaN); use bfloat16 or float32")  # fmt: skip
+        dtype = "bfloat16"  # a float16 checkpoint: its own precision is the one it cannot run in
     if mesh is not None:  # an impossible mesh is refused from the metadata, before a GGUF is converted (seconds)
         from jaxinfer.sharding import MODEL, check_tensor_parallel
 

@@ -385,3 +385,19 @@ def test_generation_config_gives_the_sampling_defaults(tmp_path):
     assert completion_params(CompletionRequest(model="m", prompt="hi", max_tokens=50), 3, 64, want).max_tokens == 50
     small = {**want, "max_tokens": 8}
     assert completion_params(CompletionRequest(model="m", prompt="hi"), 3, 64, small).max_tokens == 8
+
+
+def test_gemma3_in_float16_is_refused_and_auto_takes_bfloat16(tmp_path, monkeypatch):
+    """Gemma 3's activations overflow float16: every token came out <pad> (NaN logits) with a 200. Asked for, it is
+    an error (vLLM's too); a float16 checkpoint under "auto" on an accelerator runs in bfloat16 instead."""
+    from jaxinfer import weights
+    from jaxinfer.model_files import gemma3_270m_gguf
+
+    with pytest.raises(UnsupportedConfigError, match="dtype float16: gemma3"):
+        load_weights(gemma3_270m_gguf(), "float16", cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()  # refused from the metadata, before any conversion
+    build("gemma3", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "dtype": "float16", "torch_dtype": "float16"}))
+    monkeypatch.setattr(weights.jax, "default_backend", lambda: "gpu")
+    assert load_weights(tmp_path / "hf", "auto")[0].dtype == "bfloat16"
