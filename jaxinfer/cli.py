@@ -183,10 +183,14 @@ def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
     settings = dataclasses.asdict(EngineArgs.from_mapping(vars(ns)))
     with LLM(settings.pop("model"), **settings) as llm:
         chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
-        if chat:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], sp)
-        else:
-            outs = llm.generate(ns.prompt, sp)
+        try:
+            if chat:
+                outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], sp)
+            else:
+                outs = llm.generate(ns.prompt, sp)
+        except ValueError as e:  # the prompts' own problem (too long, no chat template): named, no traceback
+            print(f"{PROG} generate: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     for prompt, out in zip(ns.prompt, outs, strict=True):
         print(f"### {prompt}")
         for c in out.outputs:

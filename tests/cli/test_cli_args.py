@@ -76,6 +76,10 @@ def test_generate_prints_what_llm_generates(tiny_model, capsys):
     with LLM(tiny_model, **SETTINGS) as llm:
         refs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
     assert printed == "".join(f"### {p}\n{r.outputs[0].text}\n\n" for p, r in zip(prompts, refs, strict=True))
+    # A prompt the context cannot hold: the prompt's problem, named in one line, not a traceback.
+    assert main(["generate", "--model", tiny_model, "--no-chat", *flags, "--prompt", "word " * 400]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("jaxinfer generate: ValueError: prompt:") and len(err.strip().splitlines()) == 1, err
 
 
 def test_complete_quick_streams_the_servers_completion(live_server):
