@@ -110,7 +110,7 @@ def _union_member(loc: tuple) -> int | None:
 
 
 def validation_error(e: ValidationError) -> APIError:
-    errors = e.errors()
+    errors = e.errors(include_url=False, include_input=False)
     # An unknown field is the most specific thing to say, even where a union tried another member first (a content
     # part with a field we do not know also fails to be a string).
     err = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])

@@ -9,9 +9,14 @@ OpenAI defines but this server does not implement are declared (typed `Any`) so 
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+T = TypeVar("T")
+# A request's lists stop at their first bad item: 1.3M invalid messages in a 3.7 MiB body made pydantic collect
+# 2.6M errors (3 GB, 9 s holding the GIL) for a 400 that names one.
+Many = Annotated[list[T], Field(fail_fast=True)]
 
 
 @functools.cache
@@ -89,7 +94,7 @@ class SamplingRequest(_Strict):
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: str | Many[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -103,7 +108,7 @@ class SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Many[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Known but not implemented: see _NOT_USED.
@@ -115,7 +120,7 @@ class SamplingRequest(_Strict):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | Many[str] | Many[int] | Many[Many[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -138,7 +143,7 @@ class ContentPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: str | Many[ContentPart]
     name: str | None = None  # passed to the chat template, which decides (ChatML's ignores it, as in vLLM)
     # Known but not implemented: see _NOT_USED.
     tool_calls: Any = None
@@ -161,7 +166,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Many[ChatMessage]
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -183,7 +188,7 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Many[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has BOS)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -191,4 +196,4 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: Many[int]
