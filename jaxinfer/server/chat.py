@@ -97,7 +97,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     admission = ctx.admit(request, rid, model, [sub], req.stream)
     view = _View(ctx, req, sub, model, rid)
     if req.stream:
-        return TrackedStream(view.stream(admission), admission)
+        return TrackedStream(view.stream(admission), admission, ctx.args.stream_stall_timeout)
     try:
         final = await cancel_on_disconnect(request, final_output(ctx.state, ctx.metrics, sub, admission, 0))
     except ClientDisconnected:

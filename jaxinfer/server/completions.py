@@ -99,7 +99,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     admission = ctx.admit(request, rid, model, subs, req.stream)
     view = _View(ctx, req, subs, rid, model)
     if req.stream:
-        return TrackedStream(view.stream(admission), admission)
+        return TrackedStream(view.stream(admission), admission, ctx.args.stream_stall_timeout)
     try:
         finals = await cancel_on_disconnect(
             request, gather_all([final_output(ctx.state, ctx.metrics, s, admission, i) for i, s in enumerate(subs)])

@@ -12,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from jaxinfer.server.admission import Admission
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -32,13 +35,21 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+_GIVE_UP_STALLS = 4
+
+
 class TrackedStream(StreamingResponse):
     """A text/event-stream response that always closes its generator and then releases the request's admission
-    (counters, the access log): as a 499 when the client left before the stream's end."""
+    (counters, the access log): as a 499 when the client left before the stream's end, a 408 when it stopped
+    reading. A client that takes nothing for `stall_timeout` seconds is cut off on the engine's side first (its
+    request ends; it finds the in-band error if it reads again); a send that still cannot go out after
+    `_GIVE_UP_STALLS` such timeouts (the client's window is full: it stopped reading but keeps the connection) ends
+    the response, so its key's request slot and the server's drain do not wait on that client for ever."""
 
-    def __init__(self, content: AsyncIterator[str], admission: Admission):
+    def __init__(self, content: AsyncIterator[str], admission: Admission, stall_timeout: float):
         headers = {"Cache-Control": "no-cache", **admission.headers()}
         self._content, self._admission, self._complete = content, admission, False
+        self._stall_timeout = _GIVE_UP_STALLS * stall_timeout
         super().__init__(self._tracked(), media_type="text/event-stream", headers=headers)
 
     async def _tracked(self) -> AsyncIterator[str]:
@@ -47,8 +58,18 @@ class TrackedStream(StreamingResponse):
         self._complete = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_or_give_up(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._stall_timeout)
+            except TimeoutError:
+                raise _StoppedReading() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up)
+        except _StoppedReading:  # returning with the response unfinished: the server closes the connection
+            log.warning("%s: the client took no data for %.0fs: closing its stream", self._admission.record.request_id,
+                        self._stall_timeout)  # fmt: skip
+            self._admission.failed(408, "client_stopped_reading")
         finally:
             try:
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -57,6 +78,10 @@ class TrackedStream(StreamingResponse):
                 if not self._complete:
                     self._admission.left()
                 self._admission.release()
+
+
+class _StoppedReading(Exception):
+    """A stream's send waited past the stall timeout."""
 
 
 class ClientDisconnected(Exception):

@@ -178,9 +178,10 @@ def test_a_stream_its_client_left_is_logged_as_499(traced):
     srv, _, path = traced
     srv.engine.step_delay = 0.05
     body = {"prompt": PROMPT, "max_tokens": 200, "stream": True}
-    with httpx.Client(base_url=srv.url, timeout=30) as c, c.stream(
-        "POST", "/v1/completions", json=body, headers=auth("sk-secret-a")
-    ) as r:
+    with (
+        httpx.Client(base_url=srv.url, timeout=30) as c,
+        c.stream("POST", "/v1/completions", json=body, headers=auth("sk-secret-a")) as r,
+    ):
         assert next(r.iter_lines()).startswith("data: ")
     deadline = time.monotonic() + 10
     while srv.state.in_flight or not path.exists() or not path.read_text():
@@ -195,9 +196,11 @@ def test_every_api_response_of_a_limited_key_carries_its_headers_and_a_log_line(
     limited key) and the client's X-Request-Id; the routes without an admission leave their access-log line."""
     srv, _, path = traced
     headers = {**auth("sk-secret-a"), "X-Request-Id": "find-me"}
-    answers = [srv.http.get("/v1/models", headers=headers),
-               srv.http.post("/tokenize", json={"prompt": "hi"}, headers=headers),
-               srv.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": -1}, headers=headers)]
+    answers = [
+        srv.http.get("/v1/models", headers=headers),
+        srv.http.post("/tokenize", json={"prompt": "hi"}, headers=headers),
+        srv.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": -1}, headers=headers),
+    ]
     assert [r.status_code for r in answers] == [200, 200, 400]
     for r in answers:
         assert r.headers["x-ratelimit-limit-tokens"] == "10000" and r.headers["x-request-id"] == "find-me", r.headers
@@ -205,3 +208,39 @@ def test_every_api_response_of_a_limited_key_carries_its_headers_and_a_log_line(
     lines = [(x["id"], x["key_id"], x["endpoint"], x["status"]) for x in _access_lines(path)]
     assert lines == [("find-me", "team-a", "/v1/models", 200), ("find-me", "team-a", "/tokenize", 200),
                      ("find-me", "team-a", "/v1/completions", 400)]  # fmt: skip
+
+
+def test_a_stream_its_client_stopped_reading_ends_and_frees_its_slot(tokenizer, tmp_path):
+    """A client that stops reading but keeps the connection: once a send has waited past --stream-stall-timeout
+    the response ends (408 in the access log), so the request leaves the server's and its key's in-flight counts.
+    It used to stay in flight for as long as the connection lasted: the key's max_concurrent slot was gone."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    keys = write_keys(tmp_path / "keys.jsonl", {"id": "a", "key": "sk-a", "max_concurrent": 1})
+    srv = InProcessServer(tokenizer, api_keys_file=str(keys), stream_stall_timeout=1.0, max_stream_buffer=16,
+                          access_log_file=str(tmp_path / "access.jsonl"))  # fmt: skip
+    try:
+        srv.wait_ready()
+        srv.engine.step_delay = 0.002
+        body = json.dumps({"prompt": "hi", "max_tokens": 500, "n": 64, "stream": True}).encode()
+        url = urlsplit(srv.url)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((url.hostname, url.port))
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\n"
+            sock.sendall(head + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 30
+            while not srv.state.in_flight:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            while srv.state.in_flight:  # never read: the server must give up on it by itself
+                assert time.monotonic() < deadline, srv.state.in_flight
+                time.sleep(0.05)
+            r = srv.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth("sk-a"))
+            assert r.status_code == 200, r.text  # the key's one slot is free again
+        (line, *_) = _access_lines(tmp_path / "access.jsonl")
+        assert (line["status"], line["error"]) == (408, "client_stopped_reading")
+    finally:
+        srv.close()
