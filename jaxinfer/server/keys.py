@@ -36,6 +36,7 @@ def take_deferred_hangup() -> bool:
     _early_hangup.clear()
     return came
 
+
 DEFAULT_KEY_ID = "default"
 _LIMITS = ("rpm", "tpm", "max_concurrent")
 
