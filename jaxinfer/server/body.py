@@ -6,6 +6,7 @@ field errors each get their own clear message (FastAPI would answer 422 in its o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import TypeVar
@@ -17,6 +18,8 @@ from jaxinfer.server.errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
 
+# How long a request's body may take to arrive (4 MiB at 140 KB/s).
+BODY_TIMEOUT_S = 30.0
 # Past the bound the rest of an oversized body is still read (and dropped), up to this factor, so a client that
 # sends it whole gets its 413 instead of a reset connection; beyond that the connection is cut.
 _DRAIN_FACTOR = 16
@@ -30,12 +33,16 @@ async def read_body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit * _DRAIN_FACTOR:
-                break
-            if size <= limit:
-                chunks.append(chunk)
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit * _DRAIN_FACTOR:
+                    break
+                if size <= limit:
+                    chunks.append(chunk)
+    except TimeoutError:  # a body sent a few bytes at a time (slowloris) holds its memory and connection no longer
+        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g}s",
+                       code="request_timeout") from None  # fmt: skip
     except ClientDisconnect:  # gone mid-body: nginx's 499 in the access log and metrics, not a server error
         raise APIError(499, "the client closed the connection before sending the whole body",
                        code="client_disconnected") from None  # fmt: skip

@@ -244,3 +244,29 @@ def test_a_stream_its_client_stopped_reading_ends_and_frees_its_slot(tokenizer, 
         assert (line["status"], line["error"]) == (408, "client_stopped_reading")
     finally:
         srv.close()
+
+
+def test_a_body_that_never_arrives_whole_is_a_408(tokenizer, monkeypatch):
+    """A client that sends part of its body and then nothing (slowloris) holds a connection and the bytes sent so
+    far until the body deadline, then gets a 408 in OpenAI's shape; it used to hold them for as long as it liked."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from jaxinfer.server import body
+
+    monkeypatch.setattr(body, "BODY_TIMEOUT_S", 0.5)
+    srv = InProcessServer(tokenizer)
+    try:
+        srv.wait_ready()
+        url = urlsplit(srv.url)
+        with socket.create_connection((url.hostname, url.port), timeout=20) as sock:
+            sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"prompt": "hi"')
+            answer = b""
+            while b"}}" not in answer:
+                more = sock.recv(4096)
+                assert more, answer
+                answer += more
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and json.loads(rest)["error"]["code"] == "request_timeout", answer
+    finally:
+        srv.close()
