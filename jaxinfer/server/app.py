@@ -56,12 +56,13 @@ def _open_routes() -> APIRouter:
     """Probes and monitoring: no API key, as load balancers and Prometheus bring none."""
     router = APIRouter()
 
-    @router.get("/health")
+    # HEAD too: load balancers' and uptime checkers' probes often send it.
+    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request) -> Response:
         err = _context(request).state.unavailable()
         return err.response() if err else JSONResponse({"status": "ok"})
 
-    @router.get("/version")
+    @router.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> JSONResponse:
         return JSONResponse({"version": _version()})
 

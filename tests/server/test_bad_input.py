@@ -162,6 +162,7 @@ def test_models_version_and_cors(http):
     assert r.status_code == 200 and r.json()["id"] == name
     _check_error(http.get("/v1/models/gpt-17"), 404, "model")
     assert http.get("/version").json()["version"]
+    assert http.head("/health").status_code == http.head("/version").status_code == 200  # probes that send HEAD
     # A browser's preflight and the CORS header on the answer (vLLM's default: any origin).
     pre = http.options("/v1/chat/completions", headers={"Origin": "http://localhost:3000",
                                                         "Access-Control-Request-Method": "POST"})  # fmt: skip
