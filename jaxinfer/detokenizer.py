@@ -16,7 +16,6 @@ Host-side only: no jax here.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from jaxinfer.tokenizer import Tokenizer
@@ -24,7 +23,6 @@ from jaxinfer.tokenizer import Tokenizer
 __all__ = ["IncrementalDetokenizer"]
 
 _REPLACEMENT = "\ufffd"
-_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a sentencepiece byte-fallback piece
 # Prompt tokens the first window starts with (vLLM uses 5 too): enough context for sentencepiece's leading-space
 # handling and for a prompt that ends in special tokens that decode to nothing.
 _PROMPT_CONTEXT_TOKENS = 5
@@ -110,7 +108,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("add() after flush(): the held-back text has been released already")
         token_id = int(token_id)
         self._ids.append(token_id)
-        if _BYTE_PIECE.fullmatch(self._tokenizer.id_to_token(token_id) or ""):
+        if self._tokenizer.is_byte_piece(token_id):
             if self._byte_run is None:
                 self._byte_run = len(self._ids) - 1
         elif not (self._skip_special_tokens and self._tokenizer.is_special(token_id)):  # skipped: the run goes on

@@ -79,6 +79,8 @@ class _Backend(Protocol):
 
     def token_bytes(self, i: int) -> bytes: ...
 
+    def is_byte_piece(self, i: int) -> bool: ...
+
 
 class _HFBackend:
     """A `tokenizers.Tokenizer`; BOS/EOS insertion lives in its post-processor."""
@@ -127,6 +129,9 @@ class _HFBackend:
             return token.replace("▁", " ").encode("utf-8")
         # Other decoders (WordPiece's "##", ...) only make sense on whole words: the token decoded alone.
         return self.decode([i], skip_special_tokens=False).encode("utf-8")
+
+    def is_byte_piece(self, i: int) -> bool:
+        return self._byte_fallback and _byte_token_value(self.tk.id_to_token(i) or "") is not None
 
 
 def _decoder_steps(decoder: decoders.Decoder | None) -> list[dict[str, Any]]:
@@ -201,6 +206,9 @@ class _SentencePieceBackend:
         if self.sp.is_byte(i):
             return bytes([int(piece[3:5], 16)])  # "<0xF0>"
         return piece.replace("▁", " ").encode("utf-8")
+
+    def is_byte_piece(self, i: int) -> bool:
+        return 0 <= i < self.vocab_size and self.sp.is_byte(i)
 
     def token_to_id(self, s: str) -> int | None:
         i = self.sp.piece_to_id(s)
@@ -342,6 +350,10 @@ class Tokenizer:
 
     def is_special(self, i: int) -> bool:
         return int(i) in self._backend.special_ids
+
+    def is_byte_piece(self, i: int) -> bool:
+        """Whether token `i` is a sentencepiece byte-fallback piece ("<0xF0>"): a run of them decodes as a whole."""
+        return self._backend.is_byte_piece(int(i))
 
     @property
     def special_token_ids(self) -> frozenset[int]:
