@@ -178,12 +178,19 @@ def place_module(cfg: ModelConfig, module: nnx.Module, mesh: Mesh) -> nnx.Module
         # A copy, never the caller's buffer: a replicated leaf's shard on the caller's device is the module's own
         # array (device_put's may_alias=False does not stop that), and donating it in the caller's training step
         # would delete one shard of the engine's weights, which PjRt answers with a segfault at the next step.
-        if isinstance(leaf, jax.Array) and _pointers(placed) & _pointers(leaf):
+        if device_buffers(placed) & device_buffers(leaf):
             placed = jax.device_put(jnp.copy(leaf), sharding)
         return placed
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state, state_shardings(state, mesh)))
 
 
-def _pointers(x: jax.Array) -> set[int]:
-    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+def device_buffers(tree: object) -> frozenset[int]:
+    """The device buffers under the jax arrays of `tree` (a pytree or a module), by address: what two trees share."""
+    leaves = jax.tree.leaves(nnx.state(tree) if isinstance(tree, nnx.Module) else tree)
+    return frozenset(
+        shard.data.unsafe_buffer_pointer()
+        for x in leaves
+        if isinstance(x, jax.Array) and not x.is_deleted()
+        for shard in x.addressable_shards
+    )

@@ -46,7 +46,7 @@ from jaxinfer.sampling import (
     needs_advanced,
     sample,
 )
-from jaxinfer.sharding import KV_POOL_AXES, MODEL, spec
+from jaxinfer.sharding import KV_POOL_AXES, MODEL, device_buffers, spec
 from jaxinfer.step import StepInputs, StepPacker, bucket_table, pack, pick_bucket
 
 log = logging.getLogger(__name__)
@@ -277,17 +277,6 @@ def size_pool(cfg: ModelConfig, cc: CacheConfig, mesh: Mesh | None = None) -> Po
     )  # fmt: skip
 
 
-def _buffers(tree: object) -> frozenset[int]:
-    """The device buffers under the jax arrays of `tree` (a pytree or a module), by address."""
-    leaves = jax.tree.leaves(nnx.state(tree) if isinstance(tree, nnx.Module) else tree)
-    return frozenset(
-        shard.data.unsafe_buffer_pointer()
-        for x in leaves
-        if isinstance(x, jax.Array) and not x.is_deleted()
-        for shard in x.addressable_shards
-    )
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -305,7 +294,7 @@ class ModelRunner:
         self.cfg, self.cc, self.attn_impl, self.mesh = cfg, cache, attn_impl, mesh
         # The caller's buffers, which `release` must not delete: the runner's weights share them where it made no
         # copy (`device_put` onto the device they are on returns a new array over the same buffer).
-        self._borrowed = frozenset() if donate_params else _buffers(params)
+        self._borrowed = frozenset() if donate_params else device_buffers(params)
         sized = size_pool(cfg, cache, mesh)
         self.num_pages = sized.num_pages
         self.followers = None  # a jaxinfer.distributed.Followers on the lead process of a multi-process mesh
@@ -393,7 +382,7 @@ class ModelRunner:
             from jaxinfer.sharding import place_module
 
             params = place_module(self.cfg, params, self.mesh)
-        borrowed = _buffers(params)
+        borrowed = device_buffers(params)
         model_def, weights = self._lay_out(params, donate=False)
         if (model_def.graphdef, model_def.treedef) != (self.model_def.graphdef, self.model_def.treedef):
             raise ValueError("update_weights: the new weights are not the engine's model (its modules or state differ)")
@@ -432,7 +421,7 @@ class ModelRunner:
     def _delete_owned(self, tree: object) -> None:
         """Deletes the arrays of `tree` the runner owns: not those over a caller's buffers (`_borrowed`)."""
         for x in jax.tree.leaves(tree):
-            if isinstance(x, jax.Array) and not x.is_deleted() and not _buffers(x) & self._borrowed:
+            if isinstance(x, jax.Array) and not x.is_deleted() and not device_buffers(x) & self._borrowed:
                 x.delete()
 
     def family_params(self) -> Params:
