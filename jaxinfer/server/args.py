@@ -337,13 +337,19 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         make_parser().error("--max-waiting must be >= 1")
     if not 0 < ns.gpu_memory_utilization <= 1:
         make_parser().error("--gpu-memory-utilization must be in (0, 1]")
-    if ns.api_key is not None or ns.api_keys_file is not None:  # bad keys stop the start, before the model loads
-        from jaxinfer.server.keys import KeyFileError, KeyRing
+    # Bad keys stop the start, before the model loads.
+    from jaxinfer.server.keys import KeyFileError, KeyRing, check_key
 
-        try:
+    try:
+        if ns.api_key is not None:
+            check_key(ns.api_key, "--api-key")
+    except KeyFileError as e:
+        make_parser().error(str(e))
+    try:
+        if ns.api_keys_file is not None:
             KeyRing(ns.api_key, ns.api_keys_file)
-        except KeyFileError as e:
-            make_parser().error(str(e) if str(e).startswith("--api-key ") else f"--api-keys-file: {e}")
+    except KeyFileError as e:
+        make_parser().error(f"--api-keys-file: {e}")
     if ns.filters_config is not None:  # a bad file stops the server before it starts, not at its first request
         from jaxinfer.server.filters import load_filters
 
