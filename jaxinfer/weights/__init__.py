@@ -93,15 +93,17 @@ def load_weights(
     path, kind = _locate(model)
     backend = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     asked, dtype = dtype, resolve_dtype(dtype, backend, checkpoint_dtype(path) if dtype == "auto" else None)
-    if dtype == "float16" and (arch := read_model_config(path, dtype).arch) in FLOAT16_UNSTABLE:
+    # What the metadata alone can refuse is refused before a GGUF is converted (seconds).
+    meta = read_model_config(path, dtype) if dtype == "float16" or mesh is not None else None
+    if dtype == "float16" and meta.arch in FLOAT16_UNSTABLE:
         if asked != "auto":  # as vLLM: refused, not served as NaN (every token then <pad>, every logprob -inf)
-            raise UnsupportedConfigError(f"dtype float16: {arch} models' activations overflow float16 (their "
+            raise UnsupportedConfigError(f"dtype float16: {meta.arch} models' activations overflow float16 (their "
                                          "outputs become NaN); use bfloat16 or float32")  # fmt: skip
         dtype = "bfloat16"  # a float16 checkpoint: its own precision is the one it cannot run in
-    if mesh is not None:  # an impossible mesh is refused from the metadata, before a GGUF is converted (seconds)
+    if mesh is not None:  # an impossible mesh
         from jaxinfer.sharding import MODEL, check_tensor_parallel
 
-        check_tensor_parallel(read_model_config(path, dtype), mesh.shape[MODEL])
+        check_tensor_parallel(meta, mesh.shape[MODEL])
     if kind == "checkpoint":
         cfg, params, source = _restore(path, dtype, mesh)
         # `jaxinfer convert` copies the source's tokenizer (an HF directory's files, a GGUF's as tokenizer.gguf): the
