@@ -104,19 +104,25 @@ def _step(s: Scheduler, done: dict[str, int], step: int) -> None:
             done[x.req.request_id] = step
 
 
+def _run(s: Scheduler, reqs: list[Request], max_steps: int) -> dict[str, int]:
+    """Adds `reqs` and steps until they are done (or `max_steps`): request id -> the step it finished at."""
+    for r in reqs:
+        s.add(r)
+    done: dict[str, int] = {}
+    for step in range(max_steps):
+        if not s.has_work():
+            break
+        _step(s, done, step)
+    return done
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_samples_that_fit_one_at_a_time_finish(prefix_cache):
     """n = 3 samples of 35 tokens in a 48-token pool: one runs at a time. Tied on arrival, each sample took itself
     for the newest and preempted itself, was admitted again in the same step, and the three never finished."""
     s = Scheduler(PageAllocator(6, 8, prefix_cache), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
     samples = _seq("r", 6, 29, 0.0, n=3)
-    for r in samples:
-        s.add(r)
-    done: dict[str, int] = {}
-    for step in range(300):
-        if not s.has_work():
-            break
-        _step(s, done, step)
+    done = _run(s, samples, 300)
     assert len(done) == 3 and max(r.num_preemptions for r in samples) <= 6, [r.num_preemptions for r in samples]
 
 
@@ -126,13 +132,7 @@ def test_an_older_prefill_is_not_preempted_for_a_newer_decode(prefix_cache):
     first). The older, still prefilling A used to preempt itself 8-36 times and finish after the newer B."""
     s = Scheduler(PageAllocator(10, 16, prefix_cache), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512)
     (a,), (b,) = _seq("A", 150, 8, 0.0), _seq("B", 40, 100, 1.0)
-    s.add(a)
-    s.add(b)
-    done: dict[str, int] = {}
-    for step in range(500):
-        if not s.has_work():
-            break
-        _step(s, done, step)
+    done = _run(s, [a, b], 500)
     assert a.num_preemptions == 0 and done["A"] < done["B"] and done["A"] < 30, (done, b.num_preemptions)
 
 
