@@ -14,7 +14,7 @@ from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
-from jaxinfer.server.generation import EngineRequest, final_output, run_request, scored_only, usage
+from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
 from jaxinfer.server.logprobs import TextOffsets, completion_logprobs, join_logprobs
 from jaxinfer.server.protocol import CompletionRequest
 from jaxinfer.server.sampling import check_fanout, completion_params, prompt_only, reject_unsupported
@@ -119,10 +119,6 @@ class _View:
         self.ctx, self.req, self.subs, self.rid, self.model = ctx, req, subs, rid, model
         self.created = int(time.time())
         self.n = req.n
-        self.prompt_only = prompt_only(req)
-
-    def _visible(self, out: RequestOutput) -> RequestOutput:
-        return scored_only(out) if self.prompt_only else out
 
     def _echo(self, sub: EngineRequest) -> str:
         if not self.req.echo:
@@ -191,7 +187,6 @@ class _View:
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = []
-        finals = [self._visible(out) for out in finals]
         for i, (sub, out) in enumerate(zip(self.subs, finals, strict=True)):
             echo = self._echo(sub)
             for c in out.outputs:
@@ -218,7 +213,7 @@ class _View:
         last: list[RequestOutput | None] = [None] * len(self.subs)
         try:
             async for i, out in merge(streams):
-                last[i] = out = self._visible(out)
+                last[i] = out
                 for c in out.outputs:
                     idx = i * self.n + c.index
                     if idx in finished:

@@ -102,7 +102,9 @@ async def run_request(
                 ended = out.finished
                 if req.gate is not None:
                     out = await req.gate.screen(out)
-                admission.output(index, scored_only(out) if req.scoring_only else out)
+                if req.scoring_only:  # what the response, the access log and the key's count see
+                    out = scored_only(out)
+                admission.output(index, out)
                 if out.finished:
                     final = out
                 yield out
