@@ -306,19 +306,17 @@ class TinyServer:
     compiled steps come from the XLA cache."""
 
     def __init__(self, model: Path):
-        import uvicorn
 
         from jaxinfer.engine.build import build_engine
         from jaxinfer.server.app import build_app
         from jaxinfer.server.args import parse_args
-        from jaxinfer.server.http import DrainingServer
+        from jaxinfer.server.http import DrainingServer, uvicorn_config
         from tests.tiny_model import settings_flags
 
         self.args = parse_args(["--model", str(model), "--served-model-name", "tiny", "--port", str(bs.free_port()),
                                 *settings_flags()])  # fmt: skip
         app = build_app(self.args, build_engine)
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.args.port, log_level="warning",
-                                timeout_graceful_shutdown=1)  # fmt: skip
+        config = uvicorn_config(app, self.args, host="127.0.0.1", log_level="warning", timeout_graceful_shutdown=1)
         self.server = DrainingServer(config, app.state.ctx.state, 5)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

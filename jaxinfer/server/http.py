@@ -28,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from jaxinfer.server.args import ServerArgs
+from jaxinfer.server.connections import DeadlineH11Protocol
 from jaxinfer.server.keys import take_deferred_hangup
 from jaxinfer.server.state import Phase, ServerState
 
@@ -105,17 +106,19 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def uvicorn_config(app: FastAPI, args: ServerArgs, **overrides) -> uvicorn.Config:
+    """uvicorn's settings for `app`: the h11 protocol with a request-head deadline (connections.py), whatever
+    protocol uvicorn would pick by itself."""
+    settings = dict(host=args.host, port=args.port, log_level=args.log_level, http=DeadlineH11Protocol,
+                    timeout_graceful_shutdown=_CANCEL_AFTER_S)  # fmt: skip
+    return uvicorn.Config(app, **{**settings, **overrides})
+
+
 def serve(app: FastAPI, args: ServerArgs) -> int:
     """Serves until SIGTERM/SIGINT; returns the process exit code (1 when the model failed to load)."""
     ctx = app.state.ctx
     state: ServerState = ctx.state
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=_CANCEL_AFTER_S,
-    )
+    config = uvicorn_config(app, args)
     server = DrainingServer(config, state, args.graceful_shutdown_timeout, on_hangup=ctx.reload_keys)
     server.run()
     if server.load_failed or state.phase is Phase.FAILED:

@@ -13,12 +13,10 @@ from __future__ import annotations
 import socket
 import sys
 
-import uvicorn
-
 import jaxinfer.engine.mp_engine as mp_engine
 from jaxinfer.server.app import build_app
 from jaxinfer.server.args import parse_args
-from jaxinfer.server.http import DrainingServer
+from jaxinfer.server.http import DrainingServer, uvicorn_config
 from tests.server.test_slow_reader import _paced_build
 
 SNDBUF = 8192
@@ -38,7 +36,7 @@ def main(argv: list[str]) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)  # accepted connections inherit it
     sock.bind((args.host, args.port))
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=1)
+    config = uvicorn_config(app, args, timeout_graceful_shutdown=1)
     DrainingServer(config, app.state.ctx.state, args.graceful_shutdown_timeout).run(sockets=[sock])
     return 0
 

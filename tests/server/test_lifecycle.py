@@ -12,11 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from jaxinfer.server.app import build_app
 from jaxinfer.server.args import ServerArgs
-from jaxinfer.server.http import DrainingServer
+from jaxinfer.server.http import DrainingServer, uvicorn_config
 from tests.server.conftest import REPO, free_port, start_server
 from tests.server.fake_engine import FakeEngine
 
@@ -39,8 +38,7 @@ class InProcessServer:
         self.args = ServerArgs(model="fake", port=free_port(), **kw)
         self.app = build_app(self.args, loader, tracer_provider)
         self.state = self.app.state.ctx.state
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.args.port, log_level="warning",
-                                timeout_graceful_shutdown=1)  # fmt: skip
+        config = uvicorn_config(self.app, self.args, host="127.0.0.1", log_level="warning", timeout_graceful_shutdown=1)
         self.server = DrainingServer(config, self.state, self.args.graceful_shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -1,0 +1,132 @@
+"""The server's HTTP/1.1 connections (jaxinfer/server/connections.py), over raw sockets to an in-process server:
+a request head that does not arrive in time is a 408 and a closed connection, a malformed one a 400, both in
+OpenAI's shape; a slow body is the body deadline's business, not the head's."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from urllib.parse import urlsplit
+
+import pytest
+
+from jaxinfer.server import connections
+from tests.server.test_lifecycle import InProcessServer
+
+HEAD_TIMEOUT_S = 0.5
+REQUEST = b'{"prompt": "hi", "max_tokens": 2}'
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+
+
+@pytest.fixture()
+def server(tokenizer, monkeypatch):
+    monkeypatch.setattr(connections, "HEAD_TIMEOUT_S", HEAD_TIMEOUT_S)
+    srv = InProcessServer(tokenizer)
+    srv.wait_ready()
+    yield srv
+    srv.close()
+
+
+def connect(srv: InProcessServer) -> socket.socket:
+    url = urlsplit(srv.url)
+    return socket.create_connection((url.hostname, url.port), timeout=20)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response (status, lower-cased headers, body), read up to its Content-Length."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = sock.recv(4096)
+        assert more, f"connection closed before a response: {data!r}"
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    while len(body) < int(headers["content-length"]):
+        more = sock.recv(4096)
+        assert more, f"connection closed mid-body: {body!r}"
+        body += more
+    return int(status_line.split()[1]), headers, body
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def error_of(body: bytes) -> dict:
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/compl", HEAD[:40]], ids=["nothing", "request-line", "headers"])
+def test_a_head_that_does_not_arrive_in_time_is_a_408_and_closes(server, sent):
+    """A connection that sends nothing or part of a head used to be held open for as long as the client liked
+    (uvicorn arms no timer before the first response): thousands of them exhaust the server's file descriptors."""
+    with connect(server) as sock:
+        sock.sendall(sent)
+        t0 = time.monotonic()
+        status, headers, body = read_response(sock)
+        waited = time.monotonic() - t0
+        assert status == 408 and headers["connection"] == "close"
+        assert error_of(body)["code"] == "request_timeout"
+        assert HEAD_TIMEOUT_S * 0.8 <= waited < HEAD_TIMEOUT_S + 10
+        assert closed_by_server(sock)
+
+
+def test_a_head_sent_slowly_still_has_one_deadline(server):
+    """A byte at a time, each well within the deadline, does not extend it: the head as a whole must arrive."""
+    with connect(server) as sock:
+        for byte in HEAD[:60]:
+            if select.select([sock], [], [], HEAD_TIMEOUT_S / 10)[0]:  # answered: sending on would reset it
+                break
+            sock.sendall(bytes([byte]))
+        status, _, body = read_response(sock)
+        assert status == 408 and error_of(body)["code"] == "request_timeout"
+
+
+def test_a_kept_alive_connection_gets_a_new_deadline_for_each_head(server):
+    """Served requests on one connection are not cut by the first request's deadline; a later head that stalls
+    is, counted from its own first byte."""
+    with connect(server) as sock:
+        for _ in range(3):
+            sock.sendall(HEAD % len(REQUEST) + REQUEST)
+            status, _, body = read_response(sock)
+            assert status == 200, body
+            time.sleep(HEAD_TIMEOUT_S * 0.6)  # three of these: past one deadline since the connection opened
+        sock.sendall(HEAD[:20])
+        status, _, body = read_response(sock)
+        assert status == 408 and error_of(body)["code"] == "request_timeout"
+
+
+def test_a_slow_body_is_not_cut_by_the_head_deadline(server):
+    """Once the head has arrived, the body has its own (longer) deadline."""
+    with connect(server) as sock:
+        sock.sendall(HEAD % len(REQUEST))
+        time.sleep(HEAD_TIMEOUT_S * 2)
+        sock.sendall(REQUEST)
+        status, _, body = read_response(sock)
+        assert status == 200, body
+        assert json.loads(body)["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "raw",
+    # h11 refuses a head once 16 KiB of it have arrived unfinished (one that arrives whole in one read is taken).
+    [b"NOT HTTP AT ALL\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000],
+    ids=["syntax", "unfinished-head-over-16KiB"],
+)
+def test_a_malformed_request_is_a_400_in_openai_shape(server, raw):
+    """uvicorn answered these with a plain-text 400 of its own."""
+    with connect(server) as sock:
+        sock.sendall(raw)
+        status, headers, body = read_response(sock)
+        assert status == 400 and headers["content-type"] == "application/json"
+        err = error_of(body)
+        assert err["code"] == "invalid_http" and err["type"] == "invalid_request_error"
+        assert closed_by_server(sock)
