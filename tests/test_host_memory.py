@@ -38,7 +38,8 @@ def test_objects_from_before_are_frozen_inside_and_thawed_after(collector):
         frozen = gc.get_freeze_count()
         assert frozen >= len(older)
         newer = [[] for _ in range(100)]  # made inside: not frozen, so an explicit collection still sees them
-        assert gc.get_freeze_count() == frozen
+        # Not frozen: the count did not grow by them. (It may shrink: another thread can free a frozen object.)
+        assert gc.get_freeze_count() < frozen + len(newer)
         cycle = [newer]
         cycle.append(cycle)
         del cycle
