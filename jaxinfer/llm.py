@@ -35,6 +35,9 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
+    # None once closed, and on an object whose __init__ failed before building it (its __del__ still runs).
+    engine: Engine | None = None
+
     def __init__(self, model: str | nnx.Module = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
         """`model`: a preset, a GGUF file, an HF directory, a checkpoint, or your own nnx.Module (see
         jaxinfer.model.protocol; pass `tokenizer=` with it). `settings` are the fields of

@@ -175,6 +175,21 @@ def test_bad_engine_settings_fail_at_construction(kwargs, field):
         EngineArgs(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, error", [({"not_a_setting": 1}, TypeError), ({"max_num_seqs": 0}, ValueError)])
+def test_a_failed_construction_raises_its_error_alone(kwargs, error, monkeypatch):
+    """An LLM whose __init__ failed before it had an engine then printed "Exception ignored in LLM.__del__:
+    AttributeError: 'LLM' object has no attribute 'engine'" after the real error."""
+    import gc
+    import sys
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(error):
+        LLM(**kwargs)
+    gc.collect()
+    assert not unraisable, [(u.exc_type, u.exc_value) for u in unraisable]
+
+
 BAD_CALLS = [
     ("generate", ({"prompt_token_ids": "123"},), "prompt_token_ids must be a list of integers"),
     ("generate", ({"prompt_token_ids": [1.7, 2]},), "prompt_token_ids must be a list of integers"),
