@@ -312,6 +312,10 @@ def from_gguf_metadata(meta: dict[str, Any], dtype: str = "float32") -> ModelCon
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{gguf_arch}.{key}", default)
 
+    needed = ("embedding_length", "attention.head_count", "block_count")
+    missing = [f"{gguf_arch}.{k}" for k in needed if get(k) is None]
+    if missing:  # e.g. a tokenizer-only GGUF (a checkpoint's tokenizer.gguf): it names an architecture, holds no model
+        raise UnsupportedConfigError(f"GGUF has no {', '.join(missing)}: not a model file (a tokenizer-only GGUF?)")
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     kv_heads = int(get("attention.head_count_kv") or heads)

@@ -219,6 +219,14 @@ def test_unknown_architecture_gguf():
         from_gguf_metadata({"general.architecture": "falcon"})
 
 
+def test_a_gguf_without_a_model_is_refused_by_name():
+    """A tokenizer-only GGUF (what a checkpoint keeps as tokenizer.gguf) names an architecture and holds no model:
+    loading it as one ended in `TypeError: int() argument must be ... not 'NoneType'`."""
+    meta = {"general.architecture": "llama", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"]}
+    with pytest.raises(UnsupportedConfigError, match="llama.embedding_length.*not a model file"):
+        from_gguf_metadata(meta)
+
+
 @pytest.mark.parametrize(
     "change, field",
     [
