@@ -67,17 +67,21 @@ class ServerArgs(EngineArgs):
         return self.engine_process and self.num_processes == 1 and self.coordinator_address is None
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
+def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
         return value
 
     return parse
 
 
 _positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
+# 0: any free port. (The socket layer took 99999 as 99999 mod 65536 and listened on 34463.)
+_port = _int_at_least(0, 65535)
 
 
 def _per_backend(i: int) -> str:
@@ -242,7 +246,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="name(s) clients use in the `model` field (default: the --model string)",
     )
     p.add_argument("--host", default=D.host)
-    p.add_argument("--port", type=int, default=D.port)
+    p.add_argument("--port", type=_port, default=D.port)
     p.add_argument(
         "--allowed-origins",
         nargs="*",
