@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import importlib
 import json
 import logging
 import os
 import platform
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -183,17 +185,16 @@ def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
     settings = dataclasses.asdict(EngineArgs.from_mapping(vars(ns)))
     with LLM(settings.pop("model"), **settings) as llm:
         chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
-        try:
-            if chat:
-                outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], sp)
-            else:
-                outs = llm.generate(ns.prompt, sp)
-        except ValueError as e:  # the prompts' own problem (too long, no chat template): named, no traceback
-            print(f"{PROG} generate: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
+        # A prompt's own problem (too long, no chat template) is a ValueError: main names it in one line.
+        if chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], sp)
+        else:
+            outs = llm.generate(ns.prompt, sp)
     for prompt, out in zip(ns.prompt, outs, strict=True):
         print(f"### {prompt}")
         for c in out.outputs:
+            if len(out.outputs) > 1:  # --n: each answer under its own line, so multi-line answers stay apart
+                print(f"## answer {c.index + 1}")
             print(c.text)
         print()
     return 0
@@ -230,22 +231,27 @@ class ServerClient:
             return json.load(r)["data"][0]["id"]
 
     def stream(self, path: str, body: dict, delta: Callable[[dict], str]) -> Iterator[str]:
-        """POSTs with stream=True and yields each text delta as it arrives (server-sent events)."""
+        """POSTs with stream=True and yields each text delta as it arrives (server-sent events). A stream that ends
+        before its [DONE] (the server died or dropped the connection) is a ServerError, not a short answer."""
         with self._open(path, {**body, "stream": True}) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                payload = line[len("data:") :].strip()
-                if payload == "[DONE]":
-                    return
-                event = json.loads(payload)
-                if "error" in event:
-                    raise ServerError(f"the server failed the request: {event['error'].get('message')}")
-                for choice in event.get("choices", []):
-                    text = delta(choice)
-                    if text:
-                        yield text
+            try:
+                for raw in r:
+                    line = raw.decode(errors="replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[len("data:") :].strip()
+                    if payload == "[DONE]":
+                        return
+                    event = json.loads(payload)
+                    if "error" in event:
+                        raise ServerError(f"the server failed the request: {event['error'].get('message')}")
+                    for choice in event.get("choices", []):
+                        text = delta(choice)
+                        if text:
+                            yield text
+            except (OSError, http.client.HTTPException) as e:
+                raise ServerError(f"the connection to {self.url} broke mid-answer: {e}") from e
+        raise ServerError(f"{self.url} closed the stream before it ended (no [DONE]): the answer is cut short")
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
@@ -262,7 +268,8 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
         formatter_class=DefaultsFormatter,
         help="chat with a running server, streaming",
         description="Interactive chat against a running server. The conversation is kept and sent with every turn;"
-        " type /reset to start over (the system prompt stays), /exit or Ctrl-D to leave.",
+        " type /reset to start over (the system prompt stays), /exit or Ctrl-D to leave; Ctrl-C stops an answer."
+        " Reading from a pipe, exits 1 when an answer failed.",
     )
     p.add_argument("--system-prompt", default=None, help="a system message that opens the conversation")
     _add_client_flags(p)
@@ -274,7 +281,8 @@ def _add_complete(sub: argparse._SubParsersAction) -> None:
         "complete",
         formatter_class=DefaultsFormatter,
         help="complete prompts with a running server, streaming",
-        description="Interactive completions against a running server: each line you type is a prompt.",
+        description="Interactive completions against a running server: each line you type is a prompt; Ctrl-C stops"
+        " an answer. Reading from a pipe, exits 1 when an answer failed.",
     )
     _add_client_flags(p)
     p.set_defaults(run=_complete)
@@ -285,15 +293,45 @@ def _sampling_body(ns: argparse.Namespace, model: str) -> dict:
     return body if ns.seed is None else {**body, "seed": ns.seed}
 
 
+def _check_sampling(ns: argparse.Namespace) -> None:
+    """The sampling flags, checked before anything is sent, as `generate` checks them (a NaN is not even JSON)."""
+    from jaxinfer.types import SamplingParams
+
+    try:
+        SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed)
+    except ValueError as e:
+        print(f"{PROG} {ns.command}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None  # as argparse exits for a bad flag
+
+
 def _print_stream(pieces: Iterator[str]) -> str:
     text = []
-    for piece in pieces:
-        text.append(piece)
-        sys.stdout.write(piece)
-        sys.stdout.flush()  # one write per token: the user sees the answer as it is generated
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    try:
+        for piece in pieces:
+            text.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()  # one write per token: the user sees the answer as it is generated
+    finally:
+        pieces.close()  # Ctrl-C or an error: the connection closes, so the server stops generating
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     return "".join(text)
+
+
+def _turn(ns: argparse.Namespace, pieces: Iterator[str]) -> str | None:
+    """Streams one answer; in the interactive loop a failed or interrupted one is reported and gives None (the loop
+    goes on), with -q it raises."""
+    try:
+        return _print_stream(pieces)
+    except ServerError as e:
+        if ns.quick is not None:
+            raise
+        print(f"[error: {e}]", file=sys.stderr)
+    except KeyboardInterrupt:  # as llama.cpp's chat: Ctrl-C stops the answer, not the session
+        if ns.quick is not None:
+            raise
+        print("[interrupted]", file=sys.stderr)
+    return None
 
 
 def _prompts(quick: str | None) -> Iterator[str]:
@@ -312,43 +350,45 @@ def _prompts(quick: str | None) -> Iterator[str]:
             yield line
 
 
+def _exit_code(failed: int) -> int:
+    """1 when an answer failed and the messages came from a pipe (a script must see it); a person at the terminal
+    saw each error where it happened."""
+    return 1 if failed and not sys.stdin.isatty() else 0
+
+
 def _chat(ns: argparse.Namespace, rest: list[str]) -> int:
+    _check_sampling(ns)
     client = ServerClient(ns.url, ns.api_key)
     model = ns.model_name or client.first_model()
     system = [{"role": "system", "content": ns.system_prompt}] if ns.system_prompt else []
     history = list(system)
     if ns.quick is None:
         print(f"Chatting with {model} at {ns.url}. /reset starts over, /exit or Ctrl-D leaves.")
+    failed = 0
     for line in _prompts(ns.quick):
         if line.strip() == "/reset":
             history = list(system)
             print("(history cleared)")
             continue
         body = {**_sampling_body(ns, model), "messages": [*history, {"role": "user", "content": line}]}
-        try:
-            deltas = client.stream("/chat/completions", body, lambda c: c.get("delta", {}).get("content"))
-            answer = _print_stream(deltas)
-        except ServerError as e:
-            if ns.quick is not None:
-                raise
-            print(f"\n[error: {e}] (the message was not added to the history)", file=sys.stderr)
+        answer = _turn(ns, client.stream("/chat/completions", body, lambda c: c.get("delta", {}).get("content")))
+        if answer is None:
+            failed += 1
+            print("(the message was not added to the history)", file=sys.stderr)
             continue
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
-    return 0
+    return _exit_code(failed)
 
 
 def _complete(ns: argparse.Namespace, rest: list[str]) -> int:
+    _check_sampling(ns)
     client = ServerClient(ns.url, ns.api_key)
     model = ns.model_name or client.first_model()
+    failed = 0
     for prompt in _prompts(ns.quick):
         body = {**_sampling_body(ns, model), "prompt": prompt}
-        try:
-            _print_stream(client.stream("/completions", body, lambda c: c.get("text")))
-        except ServerError as e:
-            if ns.quick is not None:
-                raise
-            print(f"\n[error: {e}]", file=sys.stderr)
-    return 0
+        failed += _turn(ns, client.stream("/completions", body, lambda c: c.get("text"))) is None
+    return _exit_code(failed)
 
 
 # ---------------------------------------------------------------------------------------------- bench / convert
@@ -408,6 +448,10 @@ ENV_PACKAGES = (
 )  # fmt: skip
 
 
+# Variables a bug report names but must not quote: JAXINFER_API_KEY (the server's key) and its kind.
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+
+
 def collect_env() -> dict:
     """What a bug report needs: versions, the backend and its devices, and the settings that change behaviour."""
     from importlib.metadata import PackageNotFoundError, version
@@ -422,7 +466,11 @@ def collect_env() -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "packages": {name: v for name in ENV_PACKAGES if (v := ver(name)) is not None},
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("JAX", "XLA", "CUDA_VISIBLE", "TPU"))},
+        "env": {
+            k: "<redacted>" if _SECRET_NAME.search(k) else v
+            for k, v in sorted(os.environ.items())
+            if k.startswith(("JAX", "XLA", "CUDA_VISIBLE", "TPU"))
+        },
     }
     try:
         import jax
@@ -498,13 +546,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """The errors that name a bad input (a path, a config field, a server's answer): a message, not a traceback.
-    Looked up where they are defined only once raised from there (the CLI imports no model code to start)."""
-    from jaxinfer.config import UnsupportedConfigError
-
-    kinds: list[type[BaseException]] = [ServerError, FileNotFoundError, UnsupportedConfigError]
+    """The errors that name a bad input (a path, a setting, a file that is not a model, a device that is not there,
+    a server's answer): a message, not a traceback. The library raises ValueError (and its kinds: unsupported
+    configs, checkpoints, tokenizers, meshes) for what it was given and OSError for what it could not read or
+    write. Others are looked up where they are defined only once raised from there (the CLI imports no model code
+    to start)."""
+    kinds: list[type[BaseException]] = [ServerError, ValueError, OSError]
     for module, name in (
-        ("jaxinfer.weights.checkpoint", "CheckpointError"),
+        ("jaxinfer.device", "DeviceUnavailableError"),
         ("jaxinfer.model.protocol", "ProtocolError"),
     ):
         if module in sys.modules:

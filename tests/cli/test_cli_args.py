@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -49,11 +51,24 @@ def test_bench_needs_a_kind():
 
 
 def test_env_reports_backend_and_versions():
-    out = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "env", "--json"], env=REPO_ENV, capture_output=True,
+    secret = "sk-do-not-print-me"
+    env = {**REPO_ENV, "JAXINFER_API_KEY": secret, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "env", "--json"], env=env, capture_output=True,
                          text=True, timeout=120, check=True)  # fmt: skip
     info = json.loads(out.stdout)
     assert info["backend"] == "cpu" and info["devices"][0]["platform"] == "cpu"
     assert {"jax", "jaxlib", "jaxinfer"} <= set(info["packages"])
+    # A bug report quotes the settings, never a key: `env` printed the server's API key.
+    assert info["env"]["JAX_PLATFORMS"] == "cpu" and info["env"]["JAXINFER_API_KEY"] == "<redacted>"
+    assert secret not in out.stdout
+
+
+def test_ports_outside_the_tcp_range_are_refused():
+    """99999 was taken modulo 65536: the log said port 99999 while the server listened on 34463."""
+    assert server_args(["--port", "0"]).port == 0 and server_args(["--port", "65535"]).port == 65535
+    for bad in ("99999", "-5", "65536"):
+        with pytest.raises(SystemExit):
+            server_args(["--port", bad])
 
 
 def test_bad_values_and_missing_models_are_one_line_errors(tmp_path, capsys):
@@ -62,6 +77,21 @@ def test_bad_values_and_missing_models_are_one_line_errors(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("jaxinfer convert: ModelNotFoundError:") and "nowhere" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [(["--model", "{junk}"], "not a readable GGUF"), (["--gpu-memory-utilization", "2"], "gpu_memory_utilization"),
+     (["--tensor-parallel-size", "3"], "tensor"), (["--device", "tpu"], "tpu")],
+)  # fmt: skip
+def test_generate_names_a_bad_model_file_or_setting_in_one_line(tmp_path, capsys, flags, says):
+    """Each of these printed a 40-65 line traceback (and an AttributeError from LLM.__del__ after it)."""
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    rc = main(["generate", "--prompt", "x", *(f.format(junk=junk) for f in flags)])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("jaxinfer generate: ") and len(err.strip().splitlines()) == 1, err
+    assert says in err
 
 
 def test_generate_prints_what_llm_generates(tiny_model, capsys):
@@ -95,3 +125,56 @@ def test_complete_quick_streams_the_servers_completion(live_server):
                           "--api-key", API_KEY, "--max-tokens", "8", "-q", prompt], env=REPO_ENV, capture_output=True,
                          text=True, timeout=120, check=True)  # fmt: skip
     assert out.stdout == ref.json()["choices"][0]["text"] + "\n"
+
+
+class _CutStream(http.server.BaseHTTPRequestHandler):
+    """An OpenAI server that dies mid-answer: two chunks of a stream, then the connection closes (no [DONE])."""
+
+    def do_GET(self):  # /v1/models
+        body = json.dumps({"data": [{"id": "m"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for text in ("Once upon", " a time"):
+            choice = {"index": 0, "delta": {"content": text}, "text": text}
+            self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("command", ["chat", "complete"])
+def test_an_answer_cut_short_by_the_server_is_an_error(command, capsys):
+    """It printed the half answer and exited 0 (and chat kept it in the history)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutStream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rc = main([command, "--url", f"http://127.0.0.1:{server.server_port}/v1", "-q", "hi"])
+    except Exception as e:  # main lets only bugs through
+        raise AssertionError(f"not a one-line error: {e!r}") from e
+    finally:
+        server.shutdown()
+    captured = capsys.readouterr()
+    assert rc == 1 and "Once upon a time" in captured.out
+    assert "closed the stream before it ended" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_ctrl_c_stops_an_answer_not_the_session(capsys):
+    from jaxinfer.cli import _turn
+
+    def answer():
+        yield "Once"
+        raise KeyboardInterrupt
+
+    assert _turn(argparse.Namespace(quick=None), answer()) is None  # the loop goes on to the next message
+    assert "[interrupted]" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt):  # with -q there is no session to go back to
+        _turn(argparse.Namespace(quick="hi"), answer())
