@@ -8,10 +8,12 @@ not match its own config, or that is truncated, fails loudly.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +47,19 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, params: Params, source: 
         # Replaced whole below: only a checkpoint (a conversion cache entry, a convert run again) or nothing.
         raise CheckpointError(f"{path} exists and is not a jaxinfer checkpoint: not overwritten")
     check_params(cfg, params)
+    _remove_abandoned_siblings(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(tmp / "params", nnx.to_pure_dict(params))
-    ckptr.wait_until_finished()
-    meta = {"format_version": FORMAT_VERSION, "config": cfg.to_dict(), "source": source or {}}
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+    try:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(tmp / "params", nnx.to_pure_dict(params))
+        ckptr.wait_until_finished()
+        meta = {"format_version": FORMAT_VERSION, "config": cfg.to_dict(), "source": source or {}}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+    except BaseException:  # Ctrl-C or a full disk: a model's worth of half-written files is not left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(path, ignore_errors=True)
     try:
         tmp.rename(path)
@@ -60,6 +67,33 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, params: Params, source: 
         if not is_checkpoint(path):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same checkpoint first
+
+
+# A temporary sibling this old belongs to a writer that was killed (SIGKILL, a power cut): a conversion takes seconds.
+_ABANDONED_AFTER_S = 3600.0
+
+
+def _remove_abandoned_siblings(path: Path) -> None:
+    """Deletes the temporary siblings of `path` that killed writers left (each a model's size), when their process
+    is gone from this host and they have not changed for an hour (a cache shared by hosts: another's may be live)."""
+    for tmp in path.parent.glob(f"{glob.escape(path.name)}.tmp-*-*"):
+        pid = tmp.name.rsplit("-", 2)[-2]
+        try:
+            old = time.time() - tmp.stat().st_mtime > _ABANDONED_AFTER_S
+        except OSError:
+            continue  # gone meanwhile
+        if old and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

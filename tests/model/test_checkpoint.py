@@ -58,6 +58,35 @@ def test_corrupt_checkpoint(tmp_path):
         restore_checkpoint(tmp_path / "ck")
 
 
+def test_an_interrupted_save_leaves_no_files_and_abandoned_ones_are_swept(tmp_path, monkeypatch):
+    """Ctrl-C during a conversion left a model's worth of files (318 MB for the default model) in a temporary
+    sibling that nothing removed; a killed writer's siblings piled up the same way."""
+    import os
+    import time
+
+    import orbax.checkpoint as ocp
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(ocp.StandardCheckpointer, "save", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            save_checkpoint(tmp_path / "ck", TINY, init_params(TINY))
+    assert list(tmp_path.iterdir()) == []
+
+    dead_pid = 2**22 + 12345  # above Linux's pid_max: no process has it
+    abandoned, recent, live = (tmp_path / f"ck.tmp-{pid}-7" for pid in (dead_pid, dead_pid + 1, os.getppid()))
+    for d in (abandoned, recent, live):
+        (d / "params").mkdir(parents=True)
+    hours_ago = time.time() - 2 * 3600
+    for d in (abandoned, live):
+        os.utime(d, (hours_ago, hours_ago))
+    save_checkpoint(tmp_path / "ck", TINY, init_params(TINY))
+    # Only the old one of a dead process goes: a recent one may be another host's writer (a shared cache).
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", recent.name, live.name])
+
+
 def test_incomplete_and_mismatched_checkpoint(tmp_path):
     save_checkpoint(tmp_path / "ck", TINY, init_params(TINY))
     meta_path = tmp_path / "ck" / "jaxinfer.json"
