@@ -13,10 +13,12 @@ from pathlib import Path
 
 from jaxinfer.model_files import resolve_model_path
 from jaxinfer.weights import load_weights
-from jaxinfer.weights.checkpoint import CheckpointError, save_checkpoint
+from jaxinfer.weights.checkpoint import CheckpointError, is_checkpoint, save_checkpoint
 
-# Files of an HF directory that the tokenizer loader reads; copied so the checkpoint stands on its own.
+# Files of an HF directory (or of a checkpoint converted before) that the tokenizer loader reads; copied so the
+# checkpoint stands on its own.
 _TOKENIZER_FILES = (
+    "tokenizer.gguf",  # TOKENIZER_GGUF: a checkpoint converted from a GGUF
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -33,9 +35,9 @@ def convert(src: str, dst: str | Path, dtype: str = "float32") -> Path:
     if dst.exists() and resolve_model_path(src).resolve() == dst.resolve():
         raise CheckpointError(f"{dst} is the source: write the checkpoint elsewhere")
     cfg, params, path = load_weights(src, dtype=dtype, use_cache=False)
-    kind = "gguf" if path.suffix == ".gguf" else "hf"
+    kind = "gguf" if path.suffix == ".gguf" else "checkpoint" if is_checkpoint(path) else "hf"
     save_checkpoint(dst, cfg, params, source={"kind": kind, "path": str(path.resolve())})
-    if kind == "hf":
+    if kind != "gguf":
         for name in _TOKENIZER_FILES:
             if (path / name).exists():
                 shutil.copy(path / name, dst / name)

@@ -132,6 +132,23 @@ def test_convert_hf_dir_round_trip(tmp_path):
     assert path == tmp_path / "ck" and load_model(tmp_path / "ck").tokenizer.encode("hello world") == [1, 2]
 
 
+def test_a_checkpoint_converted_from_a_checkpoint_keeps_the_tokenizer(tmp_path):
+    """convert ckpt -> ckpt2 wrote no tokenizer.gguf and named ckpt an "hf" source: once ckpt moved, ckpt2 failed
+    to load (TokenizerNotFoundError)."""
+    from jaxinfer.weights import load_model
+    from jaxinfer.weights.checkpoint import read_meta
+    from tests.tiny_model import write_tiny_model
+
+    write_tiny_model(tmp_path / "tiny")  # its tokenizer is its source GGUF's
+    convert(str(tmp_path / "tiny"), tmp_path / "a")  # writes tokenizer.gguf beside the weights
+    convert(str(tmp_path / "a"), tmp_path / "b")
+    assert read_meta(tmp_path / "b")["source"]["kind"] == "checkpoint"
+    (tmp_path / "a").rename(tmp_path / "gone")
+    assert load_model(tmp_path / "b").tokenizer.encode("Hello world") == load_model(tmp_path / "tiny").tokenizer.encode(
+        "Hello world"
+    )
+
+
 def test_convert_never_overwrites_what_is_not_a_checkpoint(tmp_path):
     build("qwen3", tmp_path / "hf")
     (tmp_path / "dst").mkdir()
