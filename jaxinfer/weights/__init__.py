@@ -130,7 +130,8 @@ def load_weights(
     try:
         cfg, params, _ = _restore(cached, dtype, mesh)
     except (CheckpointError, ValueError) as e:  # a damaged or stale cache entry is rebuilt once, never trusted
-        log.warning("ignoring damaged conversion cache %s: %s", cached, e)
+        # The first line only: orbax's message quotes the whole TensorStore spec (thousands of lines).
+        log.warning("ignoring damaged conversion cache %s: %s", cached, str(e).strip().split("\n", 1)[0][:500])
         shutil.rmtree(cached, ignore_errors=True)
         cfg, params = load_gguf(path, dtype)
         save_checkpoint(cached, cfg, params, source={"kind": "gguf", "path": str(path)})

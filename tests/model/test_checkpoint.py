@@ -231,8 +231,9 @@ def test_gguf_conversion_cache_restores_onto_a_mesh(smol_converted):
     _assert_same(p1, p2)
 
 
-def test_damaged_conversion_cache_is_rebuilt_once(smol_converted, tmp_path, monkeypatch):
-    """A damaged cache entry is rebuilt; a restore that fails again raises instead of rebuilding forever."""
+def test_damaged_conversion_cache_is_rebuilt_once(smol_converted, tmp_path, monkeypatch, caplog):
+    """A damaged cache entry is rebuilt; a restore that fails again raises instead of rebuilding forever. The
+    warning says why in one line (orbax's errors quote a TensorStore spec: 3,789 lines were logged)."""
     import jaxinfer.weights as weights
     from jaxinfer.model_files import smollm2_gguf
 
@@ -247,12 +248,15 @@ def test_damaged_conversion_cache_is_rebuilt_once(smol_converted, tmp_path, monk
 
     def always_damaged(path, *args):
         restores.append(path)
-        raise CheckpointError(f"{path} is damaged")
+        raise CheckpointError(f"{path} is damaged\n" + "spec: {...}\n" * 1000)
 
     monkeypatch.setattr(weights, "_restore", always_damaged)
+    caplog.clear()
     with pytest.raises(CheckpointError, match="damaged"):
         load_weights(smollm2_gguf(), cache_dir=cache_dir)
     assert len(restores) == 2
+    (warning,) = [r.getMessage() for r in caplog.records if "ignoring damaged conversion cache" in r.getMessage()]
+    assert warning.endswith("is damaged") and "spec" not in warning
 
 
 def test_unknown_architecture_hf():
