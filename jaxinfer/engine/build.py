@@ -20,7 +20,7 @@ from jaxinfer.engine.runner import enable_compilation_cache
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.host_memory import gc_paused, release_freed_memory
 from jaxinfer.model.protocol import check_model, is_entry_point, load_entry_point
-from jaxinfer.model_files import resolve_model_path
+from jaxinfer.model_files import ModelNotFoundError, resolve_model_path
 from jaxinfer.sharding import make_mesh, place_module
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 from jaxinfer.weights import load_model, read_model_config, sampling_defaults
@@ -146,7 +146,11 @@ def _load(model: str | nnx.Module, tokenizer: Tokenizer | str | None, dtype: str
 
 def _tokenizer(tokenizer: Tokenizer | str | os.PathLike | None) -> Tokenizer | None:
     if isinstance(tokenizer, str | os.PathLike):
-        return load_tokenizer(resolve_model_path(os.fspath(tokenizer)))
+        try:
+            path = resolve_model_path(os.fspath(tokenizer))
+        except ModelNotFoundError as e:  # it said "model path '/x' does not exist" of the tokenizer flag's path
+            raise ModelNotFoundError(f"tokenizer: {e}") from None
+        return load_tokenizer(path)
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(
             f"tokenizer: expected a model name or path (or a jaxinfer.tokenizer.Tokenizer), got "

@@ -82,7 +82,8 @@ def test_bad_values_and_missing_models_are_one_line_errors(tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, says",
     [(["--model", "{junk}"], "not a readable GGUF"), (["--gpu-memory-utilization", "2"], "gpu_memory_utilization"),
-     (["--tensor-parallel-size", "3"], "tensor"), (["--device", "tpu"], "tpu")],
+     (["--tensor-parallel-size", "3"], "tensor"), (["--device", "tpu"], "tpu"),
+     (["--tokenizer", "/no/such/dir"], "tokenizer: model path '/no/such/dir' does not exist")],
 )  # fmt: skip
 def test_generate_names_a_bad_model_file_or_setting_in_one_line(tmp_path, capsys, flags, says):
     """Each of these printed a 40-65 line traceback (and an AttributeError from LLM.__del__ after it)."""
