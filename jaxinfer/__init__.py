@@ -5,7 +5,7 @@ from jaxinfer import LLM, SamplingParams
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestsFailedError"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,7 +16,7 @@ def __getattr__(name: str) -> Any:
         with gc_paused():  # importing jax and flax makes ~200k objects that live as long as the process
             from jaxinfer.llm import LLM
         return LLM
-    if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
+    if name in ("SamplingParams", "RequestOutput", "CompletionOutput", "RequestsFailedError"):
         from jaxinfer import types
 
         return getattr(types, name)

@@ -553,6 +553,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     to start)."""
     kinds: list[type[BaseException]] = [ServerError, ValueError, OSError]
     for module, name in (
+        ("jaxinfer.types", "RequestsFailedError"),  # the engine's reason for each: a line, not a traceback
         ("jaxinfer.device", "DeviceUnavailableError"),
         ("jaxinfer.model.protocol", "ProtocolError"),
     ):

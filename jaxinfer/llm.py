@@ -29,7 +29,7 @@ from jaxinfer.host_memory import heap_frozen, release_freed_memory
 from jaxinfer.model.transformer import Params
 from jaxinfer.model_files import DEFAULT_MODEL
 from jaxinfer.tokenizer import template_role
-from jaxinfer.types import RequestOutput, SamplingParams, is_integer
+from jaxinfer.types import RequestOutput, RequestsFailedError, SamplingParams, is_integer
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -198,7 +198,10 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [final[r] for r in rids]
+        results = [final[r] for r in rids]
+        if any(r.error is not None for r in results):  # silent "" texts would pass for answers (vLLM raises too)
+            raise RequestsFailedError(results)
+        return results
 
     # ------------------------------------------------------------------------------------------ lifetime
 

@@ -280,3 +280,15 @@ class RequestOutput:
     def num_cached_tokens(self) -> int | None:
         """Prompt tokens found in the prefix cache (vLLM's field); None before the first token."""
         return self.metrics.num_cached_tokens if self.metrics is not None else None
+
+
+class RequestsFailedError(RuntimeError):
+    """`LLM.generate` / `LLM.chat`: the engine failed some of the requests (a model that cannot trace at a step's
+    shapes, weights deleted under the engine). Raised once every request has ended, so nothing is lost: `outputs`
+    holds all of them in order, the failed ones with finish_reason "error" and the reason in `error`."""
+
+    def __init__(self, outputs: list[RequestOutput]):
+        failed = [o for o in outputs if o.error is not None]
+        super().__init__(f"{len(failed)} of {len(outputs)} requests failed in the engine; the first "
+                         f"({failed[0].request_id}): {failed[0].error}")  # fmt: skip
+        self.outputs = outputs

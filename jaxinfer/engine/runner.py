@@ -111,7 +111,7 @@ def _paged_attend(
             out = kernels_pallas.ragged_paged_attention(qk, kp, vp, table, ctx, qsl, nseq, **opts)
         return out.astype(q.dtype), kp, vp
 
-    def attend_stacked(i: jax.Array, q, k, v, pools):
+    def attend_stacked(i: jax.Array, q, k, v, pools, /):
         """The scanned layer loop: `i` is the traced layer index, `pools` the (k, v) pools of every layer stacked on
         the page axis, f[L * P, page, W]: layer i's pages are i*P .. i*P + P-1, so the kernels and the
         in-place K/V write run unchanged on offset page ids and slots. (Stored flat: a reshape to and from
@@ -127,7 +127,7 @@ def _paged_attend(
     if stacked:
         return attend_stacked
 
-    def attend(i: int, q, k, v, pools):
+    def attend(i: int, q, k, v, pools, /):
         fn = partial(layer_attention, cfg.layer_windows[i])
         if mesh is not None and mesh.shape[MODEL] > 1:
             # Heads are independent: each model shard attends with its own query heads over its own KV heads

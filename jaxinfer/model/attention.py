@@ -54,7 +54,7 @@ def contiguous_attend(cfg: ModelConfig, positions: jax.Array, valid: jax.Array) 
     """An AttentionFn writing the new K/V at their positions (tokens with valid=False are dropped), then
     attending over the whole cache. positions i32[B, T]; valid bool[B, T]."""
 
-    def attend(i: int, q, k, v, cache):
+    def attend(i: int, q, k, v, cache, /):
         kc, vc = cache
         s = kc.shape[1]
         rows = jnp.arange(q.shape[0])[:, None]

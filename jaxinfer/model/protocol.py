@@ -10,7 +10,7 @@ A servable model is an `nnx.Module` with:
     token_ids  i32[B, T]   the new tokens (the engine packs every sequence of a step on one axis: B == 1)
     positions  i32[B, T]   their absolute positions (RoPE is the model's business)
     kv_cache   list        one opaque entry per layer: pass entry i to `attend` and return what it gives back
-    attend     AttentionFn (layer i, q f[B,T,H,Dh], k f[B,T,Hkv,Dh], v f[B,T,Hkv,Dh], kv_cache[i])
+    attend     AttentionFn (layer i, q f[B,T,H,Dh], k f[B,T,Hkv,Dh], v f[B,T,Hkv,Dh], kv_cache[i]), positionally
                               -> (out f[B,T,H,Dh], new kv_cache[i])
                            Causal attention over everything cached for the sequence, new tokens included: on the
                            engine's paged pools (the Pallas kernels through their dispatcher), or on a contiguous
@@ -98,7 +98,7 @@ def _check_abstract_call(model: nnx.Module, cfg: ModelConfig, name: str) -> None
         (shape,) = shapes
         return shape[0] - 1 if len(shape) == (2 if out else 1) and shape[0] >= 1 else None
 
-    def attend(i, q, k, v, cache):
+    def attend(i, q, k, v, cache, /):  # positional, as the engine's: its names are not part of the contract
         calls.append(i)
         for part, x, want in (("q", q, want_q), ("k", k, want_kv), ("v", v, want_kv)):
             if tuple(x.shape) != want:
@@ -118,7 +118,14 @@ def _check_abstract_call(model: nnx.Module, cfg: ModelConfig, name: str) -> None
         before = _leaves(state)  # now: merge shares the state's Variables, and a call that updates one updates it
         m = nnx.merge(graphdef, state)
         tokens, positions = jnp.zeros((b, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None]
-        out = m(tokens, positions, [entry(i, out=False) for i in range(n)], attend)
+        try:
+            out = m(tokens, positions, [entry(i, out=False) for i in range(n)], attend)
+        except ProtocolError:
+            raise
+        except TypeError as e:  # a call that does not fit the contract's signatures: say which contract
+            raise ProtocolError(f"{name}.__call__ failed: {e}. The contract: __call__(token_ids, positions, kv_cache, "
+                                "attend) -> (hidden, kv_cache), and attend(i, q, k, v, kv_cache[i]) called "
+                                "positionally (jaxinfer.model.protocol)") from e  # fmt: skip
         if not (isinstance(out, tuple) and len(out) == 2):
             raise ProtocolError(f"{name}.__call__: must return (hidden, kv_cache), got {type(out).__name__}")
         hidden, new_cache = out

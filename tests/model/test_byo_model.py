@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, RequestsFailedError, SamplingParams
 from jaxinfer.engine.build import build_engine, cache_config
 from jaxinfer.engine.config import EngineArgs
 from jaxinfer.model.protocol import ProtocolError, check_model
@@ -145,7 +145,9 @@ def test_update_weights_after_a_donating_train_step():
         before = list(llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
         assert before == own_greedy_loop(model(), PROMPT, NEW)  # an equal module: m's arrays go to the train step
         _train_step(m)
-        out = llm.generate([PROMPT], greedy, use_tqdm=False)[0]
+        with pytest.raises(RequestsFailedError, match="1 of 1 requests failed.*update_weights") as failed:
+            llm.generate([PROMPT], greedy, use_tqdm=False)
+        (out,) = failed.value.outputs
         assert out.outputs[0].finish_reason == "error" and "update_weights" in out.error
         assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
         compiles = compile_count()
@@ -211,6 +213,19 @@ class SkipsALayer(ParallelLM):
         return super().__call__(token_ids, positions, kv_cache, only_layer_0)
 
 
+class AttendsByKeyword(ParallelLM):
+    """Passed the check, whose stand-in named the argument `cache`, then failed every request in the engine (whose
+    attend names it otherwise): now both take it positionally."""
+
+    def __call__(self, token_ids, positions, kv_cache, attend):
+        return super().__call__(token_ids, positions, kv_cache, lambda i, q, k, v, c: attend(i, q, k, v, cache=c))
+
+
+class NoPositions(ParallelLM):
+    def __call__(self, token_ids, kv_cache, attend):
+        return super().__call__(token_ids, None, kv_cache, attend)
+
+
 class ReturnsNoCache(ParallelLM):
     def __call__(self, token_ids, positions, kv_cache, attend):
         return super().__call__(token_ids, positions, kv_cache, attend)[0]
@@ -264,6 +279,8 @@ class WrongHeads(ParallelLM):
         (lambda: NoLogits(SMALL, rngs=nnx.Rngs(0)), r"NoLogits\.logits\(hidden\): missing"),
         (lambda: SkipsALayer(SMALL, rngs=nnx.Rngs(0)), "must call attend once per layer"),
         (lambda: ReturnsNoCache(SMALL, rngs=nnx.Rngs(0)), r"must return \(hidden, kv_cache\)"),
+        (lambda: AttendsByKeyword(SMALL, rngs=nnx.Rngs(0)), r"AttendsByKeyword.__call__ failed: .*cache.*positionally"),
+        (lambda: NoPositions(SMALL, rngs=nnx.Rngs(0)), r"NoPositions\.__call__ failed: .*The contract: __call__"),
         (lambda: WrongHeads(nnx.Rngs(0)), r"attend\(q=\.\.\.\) got shape \(1, 2, 4, 8\)"),
         (lambda: ForgetsCache(SMALL, rngs=nnx.Rngs(0)), r"returned kv_cache\[0\] is not what attend returned"),
         (lambda: OneCacheForAll(SMALL, rngs=nnx.Rngs(0)), r"attend for layer 1 got kv_cache\[0\]"),
