@@ -44,7 +44,7 @@ _MISSING_HELP = {
     "host": "address to listen on",
     "port": "port to listen on",
     "dtype": "dtype of the weights and the KV cache",
-    "enable_prefix_caching": "turn the prefix cache off (it is on by default)",
+    "enable_prefix_caching": "turn the prefix cache off",
     "log_level": "logging level",
 }
 
@@ -54,8 +54,11 @@ class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text.lower() or action.default is argparse.SUPPRESS:
+        # "(default" / "default:": a text that names its default itself ("built-in defaults" does not).
+        if "(default" in text.lower() or "default:" in text.lower() or action.default is argparse.SUPPRESS:
             return text
+        if isinstance(action, argparse._StoreFalseAction):  # --no-X: "(default: True)" read as if it were on
+            return f"{text} (default: not given)".strip()
         if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
             return f"{text} (default: %(default)s)".strip()
         return text
@@ -171,6 +174,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     _add_sampling_flags(p, max_tokens=64, seed=False)
     add_engine_flags(p)
+    _fill_missing_help(p)
     p.set_defaults(run=_generate)
 
 
@@ -521,10 +525,20 @@ def _env(ns: argparse.Namespace, rest: list[str]) -> int:
 
 def make_cli_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=DefaultsFormatter)
+    p.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_serve, _add_generate, _add_chat, _add_complete, _add_bench, _add_convert, _add_env):
         add(sub)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxinfer")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -179,3 +179,17 @@ def test_ctrl_c_stops_an_answer_not_the_session(capsys):
     assert "[interrupted]" in capsys.readouterr().err
     with pytest.raises(KeyboardInterrupt):  # with -q there is no session to go back to
         _turn(argparse.Namespace(quick="hi"), answer())
+
+
+def test_version_and_the_defaults_help_shows(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("jaxinfer ")
+    formatter = DefaultsFormatter(prog="x")
+    for name in ("serve", "generate"):
+        actions = [a for a in _subparser(name)._actions if a.option_strings]
+        flags = {a.option_strings[-1]: formatter._get_help_string(a) for a in actions}
+        # "--no-compilation-cache ... (default: True)" read as if the flag were on; "built-in defaults" hid auto.
+        assert flags["--no-compilation-cache"].endswith("(default: not given)")
+        assert flags["--generation-config"].endswith("(default: %(default)s)")
+        assert flags["--no-enable-prefix-caching"] == "turn the prefix cache off (default: not given)"
