@@ -161,13 +161,16 @@ def place_state(cfg: ModelConfig, state: nnx.State, mesh: Mesh) -> tuple[ModelCo
 
 
 def place_module(cfg: ModelConfig, module: nnx.Module, mesh: Mesh) -> nnx.Module:
-    """A user module (jaxinfer.model.protocol) with its weights placed on the mesh from their logical axes."""
-    check_tensor_parallel(cfg, mesh.shape[MODEL])
-    if kv_replication(cfg, mesh.shape[MODEL]) > 1:
-        raise ShardingError(
-            f"tensor_parallel_size={mesh.shape[MODEL]} exceeds num_kv_heads={cfg.num_kv_heads}: KV-head replication is "
-            "only done for the built-in families"
-        )
+    """A user module (jaxinfer.model.protocol) with its weights placed on the mesh from their logical axes.
+
+    Its heads must split tp ways: attention runs per shard on its query and KV heads, and the KV pools split by KV
+    head (replicated only for the built-in families). Other sizes matter only where a parameter names a sharded
+    axis, and each is checked as it is placed: a replicated vocabulary may be odd."""
+    tp = mesh.shape[MODEL]
+    for name, size in (("num_heads (attention heads)", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)):
+        if size % tp:
+            more = ": KV-head replication is only done for the built-in families" if size < tp else ""
+            raise ShardingError(f"tensor_parallel_size={tp} does not divide {name}={size}{more}")
     graphdef, state = nnx.split(module)
 
     def place(path, leaf, sharding):

@@ -245,6 +245,24 @@ def test_user_module_tensor_parallel_matches_one_device():
 
 
 @child_only
+def test_a_user_module_is_checked_by_what_it_shards():
+    """Its embedding names no axis, so an odd vocabulary is replicated and fine: the check of the built-in families'
+    sizes refused it ("does not divide vocab_size=4095"). Its heads must still split."""
+    from flax import nnx
+
+    from tests.model.byo_model import CONFIG, ParallelLM
+
+    cfg = CONFIG.replace(vocab_size=4095)
+    prompts = _prompts(cfg.vocab_size)
+    ref = _greedy(Engine(cfg, ParallelLM(cfg, rngs=nnx.Rngs(0)), CacheConfig(**CC)), prompts)
+    mesh = make_mesh(2, 1)
+    sharded = place_module(cfg, ParallelLM(cfg, rngs=nnx.Rngs(0)), mesh)
+    assert _greedy(Engine(cfg, sharded, CacheConfig(**CC), mesh=mesh), prompts) == ref
+    with pytest.raises(ShardingError, match=r"does not divide num_kv_heads=2: KV-head replication is only done"):
+        place_module(CONFIG, ParallelLM(CONFIG, rngs=nnx.Rngs(0)), make_mesh(4, 1))
+
+
+@child_only
 def test_user_module_with_a_plain_array_on_a_mesh_takes_new_weights():
     """A plain array attribute (no Param, no logical axes) is replicated; `update_weights` places a new module's
     values from their logical axes as the build did."""
