@@ -137,6 +137,10 @@ def _load(model: str | nnx.Module, tokenizer: Tokenizer | str | None, dtype: str
     tokenizer = _tokenizer(tokenizer or built_tokenizer)
     if tokenizer is None:
         raise ValueError("tokenizer: a user model needs one, e.g. LLM(my_module, tokenizer='smollm2-135m-instruct')")
+    if tokenizer.vocab_size > cfg.vocab_size:  # allowed (a model trained on a prefix of a tokenizer's ids), but
+        # a text can then encode to ids the model has no row for, and those requests are refused
+        log.warning("the tokenizer has %d tokens, more than the model's config.vocab_size=%d: a prompt holding ids "
+                    "past %d is refused", tokenizer.vocab_size, cfg.vocab_size, cfg.vocab_size - 1)  # fmt: skip
     if dp > 1:
         raise ValueError("data_parallel_size: not supported for user models yet (tensor parallelism is)")
     if mesh is not None:

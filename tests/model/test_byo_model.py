@@ -314,3 +314,13 @@ def test_builtin_family_follows_the_protocol():
 
     cfg = CONFIG.replace(arch="llama", vocab_size=16)
     assert check_model(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))) == cfg
+
+
+def test_a_tokenizer_larger_than_the_model_is_warned_of(llm, caplog):
+    """The model here (4096 ids) uses a prefix of SmolLM2's 49152: allowed, said once at build, since a text that
+    encodes to a later id is refused."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.engine.build"):
+        LLM(model(), tokenizer=llm.tokenizer, **SETTINGS).close()
+    assert any("49152 tokens, more than the model's config.vocab_size=4096" in r.getMessage() for r in caplog.records)
