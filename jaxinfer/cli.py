@@ -153,8 +153,27 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int, seed: bool 
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    unset = "(default: the model's generation config, else off)"
+    p.add_argument("--top-k", type=int, default=None, help=f"sample among the k most likely tokens {unset}")
+    p.add_argument(
+        "--min-p", type=float, default=None, help=f"drop tokens below min_p x the top one's probability {unset}"
+    )
+    p.add_argument("--repetition-penalty", type=float, default=None, help=f"> 1 discourages repeats {unset}")
+    p.add_argument(
+        "--stop", action="append", default=None, help="a stop string; repeat the flag for more (default: none)"
+    )
     if seed:
         p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+
+
+def _sampling_fields(ns: argparse.Namespace, with_seed: bool = True) -> dict:
+    """The sampling flags as SamplingParams fields, which are also the request's fields (vLLM's names). Flags not
+    given are left out. `with_seed=False` for generate, whose --seed is the engine's."""
+    fields = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
+    for name in ("top_k", "min_p", "repetition_penalty", "stop", *(("seed",) if with_seed else ())):
+        if getattr(ns, name, None) is not None:
+            fields[name] = getattr(ns, name)
+    return fields
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -181,13 +200,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
     from jaxinfer import LLM, SamplingParams
 
+    fields = {"n": ns.n, **_sampling_fields(ns, with_seed=False)}
     try:
-        sp = SamplingParams(n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)
+        SamplingParams(**fields)
     except ValueError as e:  # checked before the model loads, and named as argparse names a bad flag
         print(f"{PROG} generate: error: {e}", file=sys.stderr)
         return 2
     settings = dataclasses.asdict(EngineArgs.from_mapping(vars(ns)))
     with LLM(settings.pop("model"), **settings) as llm:
+        # The flags given, over the model's generation config (--generation-config): as the server fills a request.
+        sp = dataclasses.replace(llm.get_default_sampling_params(), **fields)
         chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
         # A prompt's own problem (too long, no chat template) is a ValueError: main names it in one line.
         if chat:
@@ -293,8 +315,7 @@ def _add_complete(sub: argparse._SubParsersAction) -> None:
 
 
 def _sampling_body(ns: argparse.Namespace, model: str) -> dict:
-    body = {"model": model, "max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
-    return body if ns.seed is None else {**body, "seed": ns.seed}
+    return {"model": model, **_sampling_fields(ns)}
 
 
 def _check_sampling(ns: argparse.Namespace) -> None:
@@ -302,7 +323,7 @@ def _check_sampling(ns: argparse.Namespace) -> None:
     from jaxinfer.types import SamplingParams
 
     try:
-        SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed)
+        SamplingParams(**_sampling_fields(ns))
     except ValueError as e:
         print(f"{PROG} {ns.command}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None  # as argparse exits for a bad flag

@@ -107,6 +107,12 @@ def test_generate_prints_what_llm_generates(tiny_model, capsys):
     with LLM(tiny_model, **SETTINGS) as llm:
         refs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
     assert printed == "".join(f"### {p}\n{r.outputs[0].text}\n\n" for p, r in zip(prompts, refs, strict=True))
+    # The sampling flags reach the request: top_k 1 samples greedily at any temperature, and a stop string cuts.
+    text = refs[0].outputs[0].text
+    cut = next(i for i in range(1, len(text)) if not text[i].isspace())  # a stop string inside the answer
+    assert main(["generate", "--model", tiny_model, "--no-chat", "--max-tokens", "6", *flags, "--prompt", prompts[0],
+                 "--temperature", "1.5", "--top-k", "1", "--stop", text[cut:]]) == 0  # fmt: skip
+    assert capsys.readouterr().out == f"### {prompts[0]}\n{text[:cut]}\n\n"
     # A prompt the context cannot hold: the prompt's problem, named in one line, not a traceback.
     assert main(["generate", "--model", tiny_model, "--no-chat", *flags, "--prompt", "word " * 400]) == 1
     err = capsys.readouterr().err
