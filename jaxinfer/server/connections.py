@@ -6,7 +6,13 @@ and a file descriptor for as long as it likes; a few thousand such exhaust the p
 server refuses everyone (slowloris). Here a request's head (request line and headers) must arrive within
 HEAD_TIMEOUT_S: from the connection's start for its first request, from the first byte of each later one (an idle
 kept-alive connection is uvicorn's to close). Past it the client gets a 408 and the connection closes. The body has
-its own deadline (body.BODY_TIMEOUT_S).
+its own deadline (body.BODY_TIMEOUT_S) while the app reads it. A response sent before its request's body was read
+(a 404, /health, an early 413) leaves no reader and cancels uvicorn's timer at every byte: the rest of that body
+gets LEFTOVER_BODY_S to arrive, from the response, or the connection closes.
+
+Idle kept-alive connections close after KEEP_ALIVE_S, longer than clients and load balancers keep theirs (httpx 5 s,
+AWS ALB 60 s), so the client closes first: at uvicorn's 5 s both closed at once, and a request sent at that moment
+failed ("Server disconnected without sending a response").
 
 uvicorn answers a malformed request (bad syntax, a head over h11's 16 KiB) with a plain-text 400 of its own; here
 it is a 400 in OpenAI's shape, as every other error the server returns.
@@ -28,6 +34,9 @@ log = logging.getLogger(__name__)
 # How long a request's head may take to arrive: nginx's client_header_timeout is 60 s; a head is a few hundred
 # bytes, so a live client needs milliseconds.
 HEAD_TIMEOUT_S = 30.0
+# After a response that did not read its request's body: how long the rest of that body may take.
+LEFTOVER_BODY_S = 5.0
+KEEP_ALIVE_S = 65.0
 
 
 def _raw_response(error: APIError) -> bytes:
@@ -42,6 +51,7 @@ class DeadlineH11Protocol(H11Protocol):
     """uvicorn's h11 protocol (pass as `uvicorn.Config(http=...)`), with the head deadline and JSON 400s above."""
 
     _head_timer: asyncio.TimerHandle | None = None
+    _leftover_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -51,25 +61,54 @@ class DeadlineH11Protocol(H11Protocol):
         if self._head_timer is None and self._awaiting_head():  # the first byte of a later request's head
             self._arm_head_timer()
         super().data_received(data)
-        if self._head_timer is not None and not self._awaiting_head():
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._after_events()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.SEND_BODY and self._leftover_timer is None:  # answered before the body
+            self._leftover_timer = self.loop.call_later(LEFTOVER_BODY_S, self._leftover_timed_out)
+        self._after_events()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        for timer in (self._head_timer, self._leftover_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._leftover_timer = None
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        self.transport.write(_raw_response(APIError(400, f"invalid HTTP request: {msg}", code="invalid_http")))
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            self.transport.write(_raw_response(APIError(400, f"invalid HTTP request: {msg}", code="invalid_http")))
+        # else the request was answered already (bad bytes in a body nobody read): a second response would be one
+        # to a request never sent
         self.transport.close()
+
+    def _after_events(self) -> None:
+        """The timers for the state h11 is in now: a head being awaited with bytes of it buffered (a pipelined
+        request, or one that began in the same write as the end of the last body) has its deadline running; one
+        that has arrived has none."""
+        if not self._awaiting_head():
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+        elif self._head_timer is None and self.conn.trailing_data[0]:
+            self._arm_head_timer()
+        if self._leftover_timer is not None and self.conn.their_state is not h11.SEND_BODY:
+            self._leftover_timer.cancel()  # the rest of the body came: the connection goes on
+            self._leftover_timer = None
 
     def _awaiting_head(self) -> bool:
         return self.conn.their_state is h11.IDLE
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _leftover_timed_out(self) -> None:
+        self._leftover_timer = None
+        if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+            self.transport.close()  # the response went out whole; nothing is owed on this connection
 
     def _head_timed_out(self) -> None:
         self._head_timer = None

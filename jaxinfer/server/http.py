@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from jaxinfer.server.args import ServerArgs
-from jaxinfer.server.connections import DeadlineH11Protocol
+from jaxinfer.server.connections import KEEP_ALIVE_S, DeadlineH11Protocol
 from jaxinfer.server.keys import take_deferred_hangup
 from jaxinfer.server.state import Phase, ServerState
 
@@ -93,7 +93,9 @@ class DrainingServer(uvicorn.Server):
             elif time.monotonic() >= self._dead_deadline:
                 self.should_exit = True
         if self._drain_deadline is not None and not self.should_exit:
-            if self.state.in_flight == 0:
+            # Handlers too, not only engine requests: one still reading its body (it will get a 503) was cancelled
+            # by uvicorn's shutdown, and its client got uvicorn's plain-text 500.
+            if self.state.in_flight == 0 and not self.server_state.tasks:
                 log.info("drained: no request in flight")
                 self.should_exit = True
             elif time.monotonic() >= self._drain_deadline:
@@ -110,7 +112,7 @@ def uvicorn_config(app: FastAPI, args: ServerArgs, **overrides) -> uvicorn.Confi
     """uvicorn's settings for `app`: the h11 protocol with a request-head deadline (connections.py), whatever
     protocol uvicorn would pick by itself."""
     settings = dict(host=args.host, port=args.port, log_level=args.log_level, http=DeadlineH11Protocol,
-                    timeout_graceful_shutdown=_CANCEL_AFTER_S)  # fmt: skip
+                    timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=_CANCEL_AFTER_S)  # fmt: skip
     return uvicorn.Config(app, **{**settings, **overrides})
 
 

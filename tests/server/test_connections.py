@@ -23,6 +23,7 @@ HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/j
 @pytest.fixture()
 def server(tokenizer, monkeypatch):
     monkeypatch.setattr(connections, "HEAD_TIMEOUT_S", HEAD_TIMEOUT_S)
+    monkeypatch.setattr(connections, "LEFTOVER_BODY_S", HEAD_TIMEOUT_S)
     srv = InProcessServer(tokenizer)
     srv.wait_ready()
     yield srv
@@ -130,3 +131,65 @@ def test_a_malformed_request_is_a_400_in_openai_shape(server, raw):
         err = error_of(body)
         assert err["code"] == "invalid_http" and err["type"] == "invalid_request_error"
         assert closed_by_server(sock)
+
+
+def test_a_body_left_unread_by_an_early_response_has_a_deadline(server):
+    """/health answers without reading the declared body; a byte of it now and then cancelled uvicorn's only timer
+    and held the connection open for good (80 of 100 such connections were still open after 70 s)."""
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        status, _, _ = read_response(sock)
+        assert status == 200
+        t0 = time.monotonic()
+        for _ in range(6):  # a byte every third of the deadline, for twice the deadline
+            if select.select([sock], [], [], HEAD_TIMEOUT_S / 3)[0]:
+                break
+            sock.sendall(b"x")
+        assert closed_by_server(sock) and time.monotonic() - t0 < HEAD_TIMEOUT_S * 2.5
+
+
+def test_a_body_finished_after_an_early_response_keeps_the_connection(server):
+    """The rest of the body arriving in time leaves a working kept-alive connection; a next head that started in
+    the same write as the body's end has its own deadline (it had none)."""
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        sock.sendall(b"abcd" + HEAD % len(REQUEST) + REQUEST)
+        status, _, body = read_response(sock)
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        sock.sendall(b"ab" + HEAD[:20])  # the body's end, then half a head
+        status, _, body = read_response(sock)
+        assert status == 408 and error_of(body)["code"] == "request_timeout"
+
+
+def test_bad_bytes_after_a_complete_response_get_no_second_response(server):
+    """A chunked body nobody read, broken after the route answered: the client got an unasked-for 400 after its
+    200."""
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        sock.sendall(b"zz-not-a-chunk-size\r\n")
+        rest = b""
+        while more := sock.recv(4096):
+            rest += more
+        assert rest == b""
+
+
+def test_sigterm_waits_for_a_request_still_sending_its_body(server):
+    """Draining counted only engine requests: a handler still reading its body was cancelled by uvicorn's shutdown,
+    and the client got a plain-text 500. It now finishes: read, then refused as the server is stopping."""
+    import signal
+
+    with connect(server) as sock:
+        sock.sendall(HEAD % len(REQUEST) + REQUEST[:5])
+        time.sleep(0.3)
+        server.server.handle_exit(signal.SIGTERM, None)
+        time.sleep(3)  # past uvicorn's cancel grace (1 s here): the drain must still be waiting
+        sock.sendall(REQUEST[5:])
+        status, headers, body = read_response(sock)
+    assert status == 503 and headers["content-type"] == "application/json"
+    assert error_of(body)["code"] == "shutting_down"
+    server.thread.join(30)
+    assert not server.thread.is_alive()
