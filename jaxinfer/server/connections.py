@@ -80,7 +80,9 @@ class DeadlineH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            self.transport.write(_raw_response(APIError(400, f"invalid HTTP request: {msg}", code="invalid_http")))
+            # uvicorn's `msg` is always "Invalid HTTP request received." (h11's reason is not passed on)
+            why = "not HTTP/1.1 (a malformed request line, header or chunk, or a head over 16 KiB)"
+            self.transport.write(_raw_response(APIError(400, f"invalid HTTP request: {why}", code="invalid_http")))
         # else the request was answered already (bad bytes in a body nobody read): a second response would be one
         # to a request never sent
         self.transport.close()
