@@ -83,7 +83,7 @@ def _prepare_kernels(args: EngineArgs) -> None:
 
     def model_shape() -> tuple[int, str, str]:
         cfg = read_model_config(args.model, args.dtype)
-        return cfg.head_dim, cfg.dtype, resolve_kv_cache_dtype(args.kv_cache_dtype, cfg.dtype)
+        return cfg.head_dim, cfg.dtype, resolve_kv_cache_dtype(args.kv_cache_dtype, cfg.dtype, jax.default_backend())
 
     if kernels_pallas.prepare(args.attn_impl, model_shape):
         log.info("building the CPU attention kernel in a child process while the weights load")
@@ -96,7 +96,7 @@ def cache_config(args: EngineArgs, cfg) -> CacheConfig:
         raise ValueError(
             f"max_model_len: {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
         )
-    kv_dtype = args.kv_cache_dtype
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, cfg.dtype, jax.default_backend())
     max_num_seqs, max_num_batched_tokens = batch_limits(args.max_num_seqs, args.max_num_batched_tokens,
                                                         jax.default_backend())  # fmt: skip
     return CacheConfig(
@@ -109,7 +109,7 @@ def cache_config(args: EngineArgs, cfg) -> CacheConfig:
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,
-        kv_cache_dtype=None if kv_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_dtype, cfg.dtype),
+        kv_cache_dtype=None if kv_dtype == cfg.dtype else kv_dtype,
         session_ttl=args.session_ttl,
         session_cache_pages=args.session_cache_pages,
         host_kv_cache_memory=parse_size(args.host_kv_cache_memory, "host_kv_cache_memory"),
