@@ -211,6 +211,8 @@ class LLM:
         Same structure, shapes and dtypes, so nothing compiles again; the prefix cache is dropped."""
         if self.engine is None:
             raise RuntimeError("this LLM is closed")
+        if self.engine.driver is not None:  # its thread steps the engine: stepping it here too failed every request
+            raise RuntimeError("update_weights: an AsyncEngine drives this LLM's engine; shut it down first")
         while self.engine.has_unfinished():  # a step an interrupted generate left in flight (its requests aborted)
             self.engine.step()
         self.engine.update_weights(model)

@@ -303,6 +303,9 @@ def test_an_async_engine_owns_its_engine_until_shut_down(smol):
     # Nor may the LLM free the engine under it; collected (the LLM built in a function), it leaves it alone.
     with pytest.raises(RuntimeError, match="shut it down first"):
         smol.close()
+    # Nor swap its weights: the main thread stepped the engine beside the AsyncEngine's and every request failed.
+    with pytest.raises(RuntimeError, match="update_weights: an AsyncEngine drives"):
+        smol.update_weights(smol.engine.runner.params)
     smol.__del__()
     assert smol.engine is not None and not smol.engine.runner.pools_lost()
 
