@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -79,7 +80,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
+        # The thread holds this object only while it works (see _drive): one nobody holds any more is collected, with
+        # its engine when nothing else holds that (a notebook cell run again, the old one never shut down).
+        self._thread = threading.Thread(target=_drive, args=(weakref.ref(self), self._wake, self._stop),
+                                        name="jaxinfer-engine", daemon=True)  # fmt: skip
         self._thread.start()
 
     # ------------------------------------------------------------------------------------------ caller side
@@ -185,23 +189,27 @@ class AsyncEngine:
                     self._deliver(cmd[1], final)
                 self._targets.pop(cmd[1], None)
 
-    def _loop(self) -> None:
+    def _pass(self) -> bool:
+        """One pass of the engine thread: the callers' commands, then a step when there is work. False: idle."""
+        self._drain_commands()
+        if not self.engine.has_unfinished():
+            self.engine.expire_sessions()  # idle: pinned conversations still time out
+            return False
+        outs = self.processor.process(self.engine.step(), self.engine.finish_sequence)
+        for out in outs:
+            self._deliver(out.request_id, out)
+        return True
+
+    def _died(self, e: BaseException) -> None:
+        """Surfaces the engine thread's failure to every waiting caller instead of hanging them."""
+        log.error("engine loop died", exc_info=e)
+        self.error = e
+        end_streams(self._lock, self._streams, EngineDeadError(f"engine failed: {e!r}"))
+        self.engine.driver = None
+
+    def _stopped(self) -> None:
+        """Shut down: streams still open end now, and their requests give their pages back."""
         try:
-            while not self._stop.is_set():
-                self._drain_commands()
-                if not self.engine.has_unfinished():
-                    self.engine.expire_sessions()  # idle: pinned conversations still time out
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                outs = self.processor.process(self.engine.step(), self.engine.finish_sequence)
-                for out in outs:
-                    self._deliver(out.request_id, out)
-        except BaseException as e:  # surface the failure to every waiting caller instead of hanging them
-            log.exception("engine loop died")
-            self.error = e
-            end_streams(self._lock, self._streams, EngineDeadError(f"engine failed: {e!r}"))
-        else:  # shut down: streams still open end now, and their requests give their pages back
             for rid in list(self._targets):
                 self.engine.abort(rid)
                 self.processor.forget(rid)
@@ -209,3 +217,25 @@ class AsyncEngine:
             end_streams(self._lock, self._streams, EngineDeadError("the AsyncEngine was shut down"))
         finally:
             self.engine.driver = None
+
+
+def _drive(ref: weakref.ref[AsyncEngine], wake: threading.Event, stop: threading.Event) -> None:
+    """The engine thread. It holds its AsyncEngine only during a pass, never while idle: an AsyncEngine that nobody
+    holds (nor its engine, whose `driver` it is) is collected, and the thread ends, instead of keeping both, and
+    gigabytes of weights and KV pools, for the life of the process."""
+    while not stop.is_set():
+        ae = ref()
+        if ae is None:
+            return  # collected: no caller can read its streams, and its engine went with it
+        try:
+            busy = ae._pass()
+        except BaseException as e:
+            ae._died(e)
+            return
+        if not busy:
+            del ae
+            wake.wait(0.05)
+            wake.clear()
+    ae = ref()
+    if ae is not None:
+        ae._stopped()
