@@ -153,6 +153,11 @@ class EngineArgs:
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config: one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
+        # Sizes as text are parsed when the pool is sized, after the weights load: checked here, before them.
+        from jaxinfer.cache.sizing import parse_bytes, parse_size
+
+        parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        parse_size(self.host_kv_cache_memory, "host_kv_cache_memory")
 
     @staticmethod
     def from_mapping(settings: Mapping[str, Any]) -> EngineArgs:

@@ -164,7 +164,9 @@ def test_bad_sampling_params(kwargs, field):
     [({"max_num_seqs": 0}, "max_num_seqs"), ({"max_model_len": 0}, "max_model_len"),
      ({"enable_prefix_caching": "no"}, "enable_prefix_caching"), ({"max_logprobs": -1}, "max_logprobs"),
      ({"num_kv_tokens": 1.5}, "num_kv_tokens"), ({"seed": "7"}, "seed"), ({"tensor_parallel_size": 0}, "tensor"),
-     ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization"), ({"session_ttl": None}, "session_ttl")],
+     ({"gpu_memory_utilization": "0.9"}, "gpu_memory_utilization"), ({"session_ttl": None}, "session_ttl"),
+     # parsed only once the weights had loaded (1.3 s, and a notebook's traceback then held them)
+     ({"kv_cache_memory": "lots"}, "kv_cache_memory"), ({"host_kv_cache_memory": "1 parsec"}, "host_kv_cache_memory")],
 )  # fmt: skip
 def test_bad_engine_settings_fail_at_construction(kwargs, field):
     """Once fell back to the default (`x or default`), passed as truthy, or built an engine that failed every
