@@ -47,6 +47,9 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
             raise ValueError("data_parallel_size: data parallelism across processes is not supported")
         mesh = make_mesh(tp, dp)
     if isinstance(args.model, str) and not is_entry_point(args.model):
+        # What the metadata can refuse (max_model_len past the model's context) is refused before the weights load:
+        # after, a notebook's traceback of the failed cell held them.
+        cache_config(args, read_model_config(args.model, args.dtype))
         _prepare_kernels(args)
     cfg, params, tokenizer = _load(args.model, args.tokenizer, args.dtype, mesh, dp)
     cache = cache_config(args, cfg)

@@ -192,6 +192,19 @@ def test_a_failed_construction_raises_its_error_alone(kwargs, error, monkeypatch
     assert not unraisable, [(u.exc_type, u.exc_value) for u in unraisable]
 
 
+def test_a_context_past_the_models_is_refused_before_the_weights_load(monkeypatch):
+    """max_model_len was checked against the model's context only after its weights had loaded (a notebook's
+    traceback then held them)."""
+    import jaxinfer.engine.build as build
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(build, "_load", no_loading)
+    with pytest.raises(ValueError, match="max_model_len: 100000 exceeds the model's context length"):
+        LLM(max_model_len=100_000)
+
+
 BAD_CALLS = [
     ("generate", ({"prompt_token_ids": "123"},), "prompt_token_ids must be a list of integers"),
     ("generate", ({"prompt_token_ids": [1.7, 2]},), "prompt_token_ids must be a list of integers"),
