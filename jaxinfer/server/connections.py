@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 
 import h11
@@ -52,6 +53,13 @@ class DeadlineH11Protocol(H11Protocol):
 
     _head_timer: asyncio.TimerHandle | None = None
     _leftover_timer: asyncio.TimerHandle | None = None
+    # Told of each error response this layer sends (status, code): the server's metrics count them. Set on a
+    # subclass per app (`with_error_hook`): these answers never reach the app's error handlers.
+    on_error: Callable[[int, str], None] | None = None
+
+    @classmethod
+    def with_error_hook(cls, on_error: Callable[[int, str], None]) -> type[DeadlineH11Protocol]:
+        return type(cls.__name__, (cls,), {"on_error": staticmethod(on_error)})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -83,6 +91,7 @@ class DeadlineH11Protocol(H11Protocol):
             # uvicorn's `msg` is always "Invalid HTTP request received." (h11's reason is not passed on)
             why = "not HTTP/1.1 (a malformed request line, header or chunk, or a head over 16 KiB)"
             self.transport.write(_raw_response(APIError(400, f"invalid HTTP request: {why}", code="invalid_http")))
+            self._told(400, "invalid_http")
         # else the request was answered already (bad bytes in a body nobody read): a second response would be one
         # to a request never sent
         self.transport.close()
@@ -116,8 +125,13 @@ class DeadlineH11Protocol(H11Protocol):
         self._head_timer = None
         if self.transport.is_closing() or not self._awaiting_head():
             return
-        log.info("%s: closing a connection whose request head did not arrive within %gs",
+        log.debug("%s: closing a connection whose request head did not arrive within %gs",
                  ":".join(map(str, self.client)) if self.client else "client", HEAD_TIMEOUT_S)  # fmt: skip
         self.transport.write(_raw_response(APIError(408, f"the request head did not arrive within "
                                                          f"{HEAD_TIMEOUT_S:g}s", code="request_timeout")))  # fmt: skip
         self.transport.close()
+        self._told(408, "request_timeout")
+
+    def _told(self, status: int, code: str) -> None:
+        if self.on_error is not None:
+            self.on_error(status, code)
