@@ -85,6 +85,8 @@ class LLM:
             raise ValueError("prompts: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
         if _is_token_ids(prompt):
             return None, _token_ids(prompt)
+        if isinstance(prompt, list | tuple | np.ndarray) and len(prompt) == 0:  # it said "got list"
+            raise ValueError("prompts: an empty prompt (no token ids); a prompt needs at least one token")
         raise ValueError(f"prompts: expected text, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def generate(

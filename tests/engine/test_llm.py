@@ -212,6 +212,7 @@ BAD_CALLS = [
     ("generate", ({"prompt": "Hi", "multi_modal_data": {}},), "unsupported key"),
     ("generate", (None,), "prompts: expected"),
     ("generate", (5,), "prompts: expected"),
+    ("generate", ([[]],), "prompts: an empty prompt"),  # it said "expected text, ..., got list"
     ("generate", ("Hi", {"max_tokens": 4}), "sampling_params: expected"),
     ("chat", ([],), "messages: expected"),
     ("chat", ("Hello",), "messages: expected"),
