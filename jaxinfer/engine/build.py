@@ -12,6 +12,7 @@ from flax import nnx
 
 import kernels_pallas
 from jaxinfer.cache.sizing import parse_bytes, parse_size
+from jaxinfer.config import ModelConfig
 from jaxinfer.device import check_device, resolve_kv_cache_dtype
 from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineArgs, batch_limits
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
@@ -49,8 +50,8 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
     if isinstance(args.model, str) and not is_entry_point(args.model):
         # What the metadata can refuse (max_model_len past the model's context) is refused before the weights load:
         # after, a notebook's traceback of the failed cell held them.
-        cache_config(args, read_model_config(args.model, args.dtype))
-        _prepare_kernels(args)
+        meta = read_model_config(args.model, args.dtype)
+        _prepare_kernels(args.attn_impl, meta, cache_config(args, meta))
     cfg, params, tokenizer = _load(args.model, args.tokenizer, args.dtype, mesh, dp)
     cache = cache_config(args, cfg)
     eos = tokenizer.eos_token_ids
@@ -80,15 +81,15 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
     return engine, tokenizer
 
 
-def _prepare_kernels(args: EngineArgs) -> None:
-    """Starts what the attention kernel needs for this model before its weights load, so the two overlap: on a
-    CPU machine that has not built the numba kernel yet, its build (9-10 s on 2 cores) runs in a child process."""
+def _prepare_kernels(attn_impl: str | None, meta: ModelConfig, cache: CacheConfig) -> None:
+    """Starts what the attention kernel needs for this model (`meta`: its config from the metadata; `cache`: the
+    pool it will get) before its weights load, so the two overlap: on a CPU machine that has not built the numba
+    kernel yet, its build (9-10 s on 2 cores) runs in a child process."""
 
     def model_shape() -> tuple[int, str, str]:
-        cfg = read_model_config(args.model, args.dtype)
-        return cfg.head_dim, cfg.dtype, resolve_kv_cache_dtype(args.kv_cache_dtype, cfg.dtype, jax.default_backend())
+        return meta.head_dim, meta.dtype, cache.kv_cache_dtype or meta.dtype
 
-    if kernels_pallas.prepare(args.attn_impl, model_shape):
+    if kernels_pallas.prepare(attn_impl, model_shape):
         log.info("building the CPU attention kernel in a child process while the weights load")
 
 
