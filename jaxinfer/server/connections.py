@@ -66,8 +66,6 @@ class DeadlineH11Protocol(H11Protocol):
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and self._awaiting_head():  # the first byte of a later request's head
-            self._arm_head_timer()
         super().data_received(data)
         self._after_events()
 
@@ -97,9 +95,9 @@ class DeadlineH11Protocol(H11Protocol):
         self.transport.close()
 
     def _after_events(self) -> None:
-        """The timers for the state h11 is in now: a head being awaited with bytes of it buffered (a pipelined
-        request, or one that began in the same write as the end of the last body) has its deadline running; one
-        that has arrived has none."""
+        """The timers for the state h11 is in now: a head being awaited with bytes of it buffered (the first bytes
+        of a later request on a kept-alive connection, a pipelined one, one that began in the same write as the end
+        of the last body) has its deadline running; one that has arrived has none."""
         if not self._awaiting_head():
             if self._head_timer is not None:
                 self._head_timer.cancel()

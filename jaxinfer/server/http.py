@@ -111,9 +111,8 @@ class DrainingServer(uvicorn.Server):
 def uvicorn_config(app: FastAPI, args: ServerArgs, **overrides) -> uvicorn.Config:
     """uvicorn's settings for `app`: the h11 protocol with a request-head deadline (connections.py), whatever
     protocol uvicorn would pick by itself."""
-    ctx = getattr(app.state, "ctx", None)
-    protocol = DeadlineH11Protocol if ctx is None else DeadlineH11Protocol.with_error_hook(
-        lambda status, code: ctx.metrics.http_errors.labels(str(status)).inc())  # fmt: skip
+    metrics = app.state.ctx.metrics
+    protocol = DeadlineH11Protocol.with_error_hook(lambda status, code: metrics.http_errors.labels(str(status)).inc())
     settings = dict(host=args.host, port=args.port, log_level=args.log_level, http=protocol,
                     timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=_CANCEL_AFTER_S)  # fmt: skip
     return uvicorn.Config(app, **{**settings, **overrides})
