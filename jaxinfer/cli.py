@@ -148,11 +148,19 @@ def _serve(ns: argparse.Namespace, rest: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------- generate
 
 
-def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int, seed: bool = True) -> None:
-    """`seed=False` where the engine flags bring --seed (the engine's seed for requests that bring none)."""
+def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int, local: bool = False) -> None:
+    """`local`: generate, which holds the model, so an unset flag falls back to its generation config (as the
+    server fills a request); its --seed is the engine's (from the engine flags). chat and complete send what is
+    given, greedy unless --temperature says otherwise."""
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="most new tokens per answer")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    if local:
+        p.add_argument("--temperature", type=float, default=None,
+                       help="0: greedy (default: the model's generation config, else 0)")  # fmt: skip
+        p.add_argument("--top-p", type=float, default=None,
+                       help="nucleus sampling mass (default: the model's generation config, else 1.0)")  # fmt: skip
+    else:
+        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     unset = "(default: the model's generation config, else off)"
     p.add_argument("--top-k", type=int, default=None, help=f"sample among the k most likely tokens {unset}")
     p.add_argument(
@@ -162,15 +170,16 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int, seed: bool 
     p.add_argument(
         "--stop", action="append", default=None, help="a stop string; repeat the flag for more (default: none)"
     )
-    if seed:
+    if not local:
         p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
 
 
 def _sampling_fields(ns: argparse.Namespace, with_seed: bool = True) -> dict:
     """The sampling flags as SamplingParams fields, which are also the request's fields (vLLM's names). Flags not
     given are left out. `with_seed=False` for generate, whose --seed is the engine's."""
-    fields = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
-    for name in ("top_k", "min_p", "repetition_penalty", "stop", *(("seed",) if with_seed else ())):
+    fields = {"max_tokens": ns.max_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
+                 *(("seed",) if with_seed else ())):  # fmt: skip
         if getattr(ns, name, None) is not None:
             fields[name] = getattr(ns, name)
     return fields
@@ -191,7 +200,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="send each prompt as a user message through the chat template (default: when the model has one)",
     )
-    _add_sampling_flags(p, max_tokens=64, seed=False)
+    _add_sampling_flags(p, max_tokens=64, local=True)
     add_engine_flags(p)
     _fill_missing_help(p)
     p.set_defaults(run=_generate)
@@ -209,6 +218,9 @@ def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
     settings = dataclasses.asdict(EngineArgs.from_mapping(vars(ns)))
     with LLM(settings.pop("model"), **settings) as llm:
         # The flags given, over the model's generation config (--generation-config): as the server fills a request.
+        # Where neither sets a temperature, the CLI answers greedily (SamplingParams' own default is vLLM's 1.0).
+        if "temperature" not in fields and "temperature" not in llm.engine.sampling_defaults:
+            fields["temperature"] = 0.0
         sp = dataclasses.replace(llm.get_default_sampling_params(), **fields)
         chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
         # A prompt's own problem (too long, no chat template) is a ValueError: main names it in one line.

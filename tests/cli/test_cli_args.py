@@ -119,6 +119,43 @@ def test_generate_prints_what_llm_generates(tiny_model, capsys):
     assert err.startswith("jaxinfer generate: ValueError: prompt:") and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize(
+    ("gen", "flags", "want"),
+    [
+        ({}, [], {"temperature": 0.0, "top_p": 1.0, "top_k": 0}),  # no generation config: greedy
+        ({"temperature": 0.7, "top_p": 0.8, "top_k": 5}, [], {"temperature": 0.7, "top_p": 0.8, "top_k": 5}),
+        (
+            {"temperature": 0.7, "top_p": 0.8},
+            ["--temperature", "0", "--top-p", "0.5"],
+            {"temperature": 0.0, "top_p": 0.5},
+        ),
+    ],
+)
+def test_generate_falls_back_to_the_models_generation_config(tiny_model, tmp_path, monkeypatch, gen, flags, want):
+    """An unset sampling flag takes the model's generation_config.json value, as the server fills a request; only
+    where neither sets a temperature does generate answer greedily."""
+    import shutil
+
+    from jaxinfer import LLM
+    from tests.tiny_model import settings_flags
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    if gen:
+        (model / "generation_config.json").write_text(json.dumps(gen))
+    seen = []
+    real = LLM.generate
+
+    def spy(self, prompts, sampling_params=None, **kw):
+        seen.append(sampling_params)
+        return real(self, prompts, sampling_params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    assert main(["generate", "--model", str(model), "--no-chat", "--max-tokens", "2", *settings_flags(), *flags,
+                 "--prompt", "Hi"]) == 0  # fmt: skip
+    assert {k: getattr(seen[0], k) for k in want} == want
+
+
 def test_complete_quick_streams_the_servers_completion(live_server):
     import httpx
 
