@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,9 @@ class RopeConfig:
             object.__setattr__(self, "freq_factors", tuple(float(x) for x in self.freq_factors))
 
 
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str
@@ -97,6 +101,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS and self.arch != CUSTOM_ARCH:
             raise UnsupportedConfigError(f"unknown architecture {self.arch!r}; supported: {', '.join(ARCHS)}")
+        for name in _SIZES:  # a 0 (an own model's config, a damaged file) failed much later, in pool sizing
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise UnsupportedConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
         if self.activation not in ("silu", "gelu_tanh", "gelu"):
             raise UnsupportedConfigError(f"unsupported activation {self.activation!r}")
         if self.num_heads % self.num_kv_heads:

@@ -269,6 +269,15 @@ def test_unknown_architecture_gguf():
         from_gguf_metadata({"general.architecture": "falcon"})
 
 
+@pytest.mark.parametrize(("field", "value"), [("num_layers", 0), ("num_kv_heads", 0), ("head_dim", -1),
+                                             ("vocab_size", 2.5), ("hidden_size", True)])  # fmt: skip
+def test_model_sizes_must_be_positive_integers(field, value):
+    """A zero or fractional size is named where the config is made, not met later as a division by zero (num_kv_heads)
+    or a KV pool of no layers (num_layers)."""
+    with pytest.raises(UnsupportedConfigError, match=f"ModelConfig.{field} must be a positive integer"):
+        TINY.replace(**{field: value}, layer_windows=())
+
+
 def test_a_gguf_without_a_model_is_refused_by_name():
     """A tokenizer-only GGUF (what a checkpoint keeps as tokenizer.gguf) names an architecture and holds no model:
     loading it as one ended in `TypeError: int() argument must be ... not 'NoneType'`."""
