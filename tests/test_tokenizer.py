@@ -518,4 +518,9 @@ def test_tokenizer_gguf_of_a_model_gguf_is_the_same_tokenizer(which, tmp_path):
     for text in ["Hello 🌍 world", "  leading spaces\n\ttabs", "<|im_start|>user\nhé<|im_end|>", "<start_of_turn>x"]:
         assert a.encode(text) == b.encode(text) and a.decode(a.encode(text)) == b.decode(b.encode(text))
     assert (a.eos_token_ids, a.bos_token_id, a.chat_template, a.add_bos_token, a.vocab_size) == (
-        b.eos_token_ids, b.bos_token_id, b.chat_template, b.add_bos_token, b.vocab_size)
+        b.eos_token_ids,
+        b.bos_token_id,
+        b.chat_template,
+        b.add_bos_token,
+        b.vocab_size,
+    )

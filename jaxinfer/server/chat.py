@@ -30,6 +30,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         raise bad_request("messages must hold at least one message", "messages")
     convo = []
     for i, m in enumerate(messages):
+        if m.role in ("tool", "function"):
+            raise bad_request(f"messages.{i}.role: {m.role!r} messages (a tool's result) are not supported: this "
+                              "server has no tool calling", f"messages.{i}.role", "unsupported_parameter")  # fmt: skip
         for name in m.unsupported_fields():
             raise bad_request(f"messages.{i}.{name} is not supported by this server", f"messages.{i}.{name}",
                               "unsupported_parameter")  # fmt: skip

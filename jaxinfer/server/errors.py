@@ -20,7 +20,7 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
-    500: "internal_error",
+    500: "server_error",  # OpenAI's
     503: "service_unavailable",
 }
 
@@ -36,7 +36,7 @@ class APIError(Exception):
 
     def body(self) -> dict:
         err_type = self.err_type or _TYPES.get(
-            self.status, "invalid_request_error" if self.status < 500 else "internal_error"
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
         )
         return {"error": {"message": self.message, "type": err_type, "param": self.param, "code": self.code}}
 
@@ -66,9 +66,9 @@ def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> AP
     message = str(e)
     m = _LEADING_NAME.match(message)
     param = m.group(1) if m else None
-    if param and renames and param in renames:  # the client's name for the field (max_completion_tokens, ...)
-        param = renames[param]
-        message = param + message[m.end(1) :]
+    if renames:  # the client's names for the fields (max_completion_tokens, ...), wherever the message names them
+        param = renames.get(param, param)
+        message = re.sub(r"\b(" + "|".join(map(re.escape, renames)) + r")\b", lambda w: renames[w[1]], message)
     return bad_request(message, param)
 
 

@@ -44,7 +44,6 @@ _NOT_USED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
-    "metadata": (None,),
     "web_search_options": (None,),
     "response_format": (None, {"type": "text"}),
     # a chat message's (history written by a server that has them)
@@ -102,6 +101,10 @@ class SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # names the session whose KV is kept between turns (without X-Session-Id); same output
+    # OpenAI's tags for a stored completion. This server stores none (`store` must stay false), so they change
+    # nothing, on OpenAI's side as here; they are checked to OpenAI's limits and accepted, not refused.
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None  # fmt: skip
     # vLLM's extras.
     top_k: int | None = None
     min_p: float | None = None
@@ -115,7 +118,6 @@ class SamplingRequest(_Strict):
     prompt_logprobs: Any = None
     service_tier: Any = None
     store: Any = None
-    metadata: Any = None
     response_format: Any = None
 
 
@@ -139,11 +141,14 @@ class ContentPart(_Strict):
     image_url: Any = None
     input_audio: Any = None
     file: Any = None
+    refusal: Any = None  # an assistant turn's refusal, as OpenAI's history holds it
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    # "tool" and "function" (a tool's result) are known so that the error can name them (see chat_messages).
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | Many[ContentPart]
+    tool_call_id: str | None = None
     name: str | None = None  # passed to the chat template, which decides (ChatML's ignores it, as in vLLM)
     # Known but not implemented: see _NOT_USED.
     tool_calls: Any = None

@@ -135,6 +135,7 @@ def step_args(case: StepCase, devices: list, tp: int, impl: str) -> tuple[tuple,
         mesh = make_mesh(tp, 1, devices=devices)
         cfg = sharded_config(cfg, tp)
         rep, pool = NamedSharding(mesh, P()), NamedSharding(mesh, spec(KV_POOL_AXES, mesh))
+
     # The family's abstract nnx state, each parameter placed from its logical axes (replicated on one device).
     def place(path, v: nnx.Variable) -> nnx.Variable:
         sh = rep if mesh is None else NamedSharding(mesh, spec(var_axes(v), mesh))

@@ -105,6 +105,29 @@ CASES = [
         "messages.0.content",
     ),  # fmt: skip
     (
+        "chat: a tool's result",
+        CHAT,
+        _chat(messages=[*MSGS, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]),
+        400,
+        "messages.1.role",
+    ),  # fmt: skip
+    (
+        "chat: a refusal part",
+        CHAT,
+        _chat(messages=[*MSGS, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]),
+        400,
+        "messages.1.content",
+    ),  # fmt: skip
+    ("metadata over 16 pairs", CHAT, _chat(metadata={str(i): "v" for i in range(17)}), 400, "metadata"),
+    ("metadata not text", CHAT, _chat(metadata={"a": 1}), 400, "metadata.a"),
+    (
+        "chat: min_tokens over max_completion_tokens",
+        CHAT,
+        _chat(min_tokens=10, max_completion_tokens=3),
+        400,
+        "min_tokens",
+    ),  # fmt: skip
+    (
         "chat: tool calls in history",
         CHAT,
         _chat(messages=[*MSGS, {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]),
@@ -128,8 +151,12 @@ def test_bad_request(http, name, path, body, status, param):
     r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     err = _check_error(r, status, param)
     if name in ("best_of", "suffix", "prompt_logprobs", "chat: tools", "chat: json mode", "chat: image part",
-                "chat: tool calls in history"):  # fmt: skip
+                "chat: tool calls in history", "chat: a tool's result", "chat: a refusal part"):  # fmt: skip
         assert "not supported" in err["message"]
+    if name == "chat: a tool's result":
+        assert "'tool' messages" in err["message"] and "tool calling" in err["message"], err
+    if name == "chat: min_tokens over max_completion_tokens":  # the client's name, also inside the message
+        assert "max_completion_tokens (3)" in err["message"] and "max_tokens (" not in err["message"], err
     if name.startswith("lone surrogate"):
         assert "surrogate" in err["message"]
     if name == "prompt of mixed types":
@@ -154,6 +181,11 @@ def test_null_means_not_set(http):
     assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
     # A null is "not set", not a pass for a field the request does not have.
     _check_error(http.post("/v1/chat/completions", json={**chat, "tool_calls": None}), 400, "tool_calls")
+    # metadata tags a stored completion and this server stores none: accepted on both endpoints, output unchanged.
+    r = http.post("/v1/completions", json={**base, "metadata": {"run": "qa", "step": "1"}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    r = http.post("/v1/chat/completions", json={**chat, "metadata": {}})
+    assert r.status_code == 200, r.text
 
 
 def test_models_version_and_cors(http):

@@ -44,9 +44,7 @@ def _wait_idle(http: httpx.Client, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while True:
         text = http.get("/metrics").text
-        idle = (
-            metric(text, "jaxinfer:num_requests_in_flight") == 0 and held_pages(text) == 0
-        )
+        idle = metric(text, "jaxinfer:num_requests_in_flight") == 0 and held_pages(text) == 0
         if idle or time.monotonic() > deadline:
             return text
         time.sleep(0.2)

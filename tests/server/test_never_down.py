@@ -152,7 +152,7 @@ def test_one_failing_request_ends_alone(server, http):
     assert [(t, r) for t, r, _ in streamed] == [(t, r) for t, r, _ in clean]
     assert plain.status_code == 500, plain.text
     err = plain.json()["error"]
-    assert err["code"] == "engine_error" and "injected failure" in err["message"] and err["type"] == "internal_error"
+    assert err["code"] == "engine_error" and "injected failure" in err["message"] and err["type"] == "server_error"
     assert status == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_error"
     _pool_whole(http)
