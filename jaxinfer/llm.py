@@ -153,18 +153,25 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, through the model's chat template. A message is
-        {"role", "content"}: text, or OpenAI's content parts of type "text"."""
+        {"role", "content"}: text, or OpenAI's content parts of type "text". `continue_final_message=True` (with
+        `add_generation_prompt=False`) continues the last message instead of answering it, as vLLM's; the
+        template's variables in `chat_template_kwargs` win over the arguments of the same name, as in vLLM."""
         if not isinstance(messages, list | tuple) or not messages:
             raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
         convs = [messages] if isinstance(messages[0], dict) else messages
+        template_kwargs = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            **(chat_template_kwargs or {}),
+        }
         prompts = []
         for i, conv in enumerate(convs):
             text = self.tokenizer.apply_chat_template(
-                _conversation(conv, f"messages[{i}]" if len(convs) > 1 else "messages"),
-                add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}),
-            )  # fmt: skip
+                _conversation(conv, f"messages[{i}]" if len(convs) > 1 else "messages"), **template_kwargs
+            )
             # The template already holds BOS where the model wants it.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -380,11 +380,19 @@ class Tokenizer:
 
     # ---- chat ----------------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], /, add_generation_prompt: bool = True, continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:  # fmt: skip
         """Render `messages` with the model's Jinja chat template, as transformers does (tokenize=False).
 
-        Extra kwargs (tools, documents, enable_thinking, ...) are passed to the template.
+        `continue_final_message`: the text ends inside the last message (an assistant's answer begun by the caller),
+        without the end-of-turn the template writes after it, so the model continues that message. Extra kwargs
+        (tools, documents, enable_thinking, ...) are passed to the template.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message and add_generation_prompt opens a new "
+                             "turn: set add_generation_prompt=False with it")  # fmt: skip
         if self.chat_template is None:
             raise ChatTemplateError(
                 "this model has no chat template (none in its GGUF metadata / tokenizer files); "
@@ -399,8 +407,11 @@ class Tokenizer:
             "tools": None,
             "documents": None,
         }
+        if "messages" in kwargs:  # render's own argument: a template variable of that name would shadow them
+            raise ValueError("'messages' is the conversation itself, not a template variable to set")
         variables.update(_plain(kwargs))
-        return template.render(messages=_plain(messages), add_generation_prompt=add_generation_prompt, **variables)
+        text = template.render(messages=_plain(messages), add_generation_prompt=add_generation_prompt, **variables)
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
     def _template_end_of_turn_ids(self) -> list[int]:
         if not self.chat_template:
@@ -414,6 +425,24 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, eos={self.eos_token_ids}, "
             f"pad={self.pad_token_id}, chat_template={'yes' if self.chat_template else 'no'})"
         )
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """`text` up to the end of the last message's content (its last text part), where the template rendered it:
+    what follows (an end-of-turn, a newline) would close the turn the model is to continue. A template that strips
+    the content's surrounding space renders it stripped, so that is what is looked for then."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list | tuple):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    for wanted in (content, content.strip()):
+        at = text.rfind(wanted)
+        if at >= 0:
+            return text[: at + len(wanted)]
+    raise ValueError("continue_final_message: the chat template does not render the last message's text as given, "
+                     "so there is no place to continue it from")  # fmt: skip
 
 
 def _dedupe(ids: Iterable[int | None]) -> tuple[int, ...]:

@@ -165,6 +165,29 @@ def test_chat_template_matches_transformers(smollm2: tuple[Tokenizer, Any], mess
     assert ours.apply_chat_template(messages, add_generation_prompt=generation_prompt) == expected
 
 
+TRIMMING_TEMPLATE = """{% for m in messages %}<start_of_turn>{{ m.role }}
+{{ m.content | trim }}<end_of_turn>
+{% endfor %}{% if add_generation_prompt %}<start_of_turn>model
+{% endif %}"""
+
+
+@pytest.mark.parametrize("template", [None, TRIMMING_TEMPLATE], ids=["chatml", "trimming"])
+@pytest.mark.parametrize("final", ["The answer is", "The answer is ", "  Well,\n"])
+def test_continue_final_message_matches_transformers(smollm2: tuple[Tokenizer, Any], template, final: str) -> None:
+    """The text ends inside the last (assistant) message, as transformers renders it, for a template that keeps
+    the content's spaces (ChatML) and one that trims them (as Gemma's does)."""
+    ours, ref = smollm2
+    if template is not None:
+        ours = Tokenizer.from_gguf(_gguf_path("smollm2"))
+        ours.chat_template = template
+    messages = [CONVERSATION[1], {"role": "assistant", "content": final}]
+    expected = ref.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=False,
+                                       continue_final_message=True)  # fmt: skip
+    assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == expected
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        ours.apply_chat_template(messages, continue_final_message=True)
+
+
 # Exercises the globals and filters HF gives templates: tojson (unescaped, with options), special-token strings,
 # loop controls, namespace, and extra kwargs.
 CUSTOM_TEMPLATE = """{{ bos_token }}{% set ns = namespace(n=0) %}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import jinja2
 from starlette.requests import Request
@@ -16,7 +17,7 @@ from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
 from jaxinfer.server.logprobs import chat_logprobs
-from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage
+from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage, template_kwargs
 from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
 from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns
@@ -47,15 +48,23 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return convo
 
 
-def apply_template(tokenizer: Tokenizer, convo: list[dict], add_generation_prompt: bool = True) -> str:
+def apply_template(tokenizer: Tokenizer, convo: list[dict], kwargs: dict[str, Any]) -> str:
+    """`kwargs`: the template's flags and variables (`protocol.template_kwargs`)."""
+    if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt", True):
+        raise bad_request("continue_final_message goes on with the last message and add_generation_prompt opens a "
+                          "new turn: set add_generation_prompt to false with it", "continue_final_message")  # fmt: skip
     try:
-        return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(convo, **kwargs)
     except (ChatTemplateError, jinja2.TemplateError) as e:
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
+    except ValueError as e:  # a variable named messages; continue_final_message without text to continue
+        raise bad_request(
+            str(e), "chat_template_kwargs" if "messages" in kwargs else "continue_final_message"
+        ) from None
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-    return apply_template(tokenizer, chat_messages(messages), add_generation_prompt)
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], kwargs: dict[str, Any]) -> str:
+    return apply_template(tokenizer, chat_messages(messages), kwargs)
 
 
 def _engine_request(
@@ -70,8 +79,10 @@ def _engine_request(
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     need = completion_room(asked, limit, "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
 
+    kwargs = template_kwargs(req)
+
     def encode(msgs: list[dict]) -> tuple[str, list[int]]:
-        text = apply_template(ctx.tokenizer, msgs)
+        text = apply_template(ctx.tokenizer, msgs, kwargs)
         return text, ctx.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS where wanted
 
     truncation = None

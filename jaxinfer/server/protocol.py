@@ -186,6 +186,11 @@ class ChatCompletionRequest(SamplingRequest):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+    # vLLM's extras: the chat template's flags and variables (e.g. enable_thinking); continue_final_message goes on
+    # with the last (assistant) message instead of answering it.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -196,7 +201,16 @@ class TokenizeRequest(_Strict):
     messages: Many[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has BOS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+
+def template_kwargs(req: TokenizeRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's arguments a request gives: its flags, then its chat_template_kwargs over them (vLLM's
+    order)."""
+    return {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
+            **(req.chat_template_kwargs or {})}  # fmt: skip
 
 
 class DetokenizeRequest(_Strict):

@@ -11,7 +11,7 @@ from jaxinfer.server.body import parse_request
 from jaxinfer.server.chat import render_chat
 from jaxinfer.server.context import ServingContext
 from jaxinfer.server.errors import bad_request
-from jaxinfer.server.protocol import DetokenizeRequest, TokenizeRequest
+from jaxinfer.server.protocol import DetokenizeRequest, TokenizeRequest, template_kwargs
 
 
 async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
@@ -26,12 +26,13 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
         raise bad_request("give exactly one of prompt and messages", "prompt")
     tk = ctx.tokenizer
     if req.messages is not None:
-        text = render_chat(tk, req.messages, req.add_generation_prompt)
+        text = render_chat(tk, req.messages, template_kwargs(req))
         ids = tk.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
         assert req.prompt is not None
-        if "add_generation_prompt" in req.model_fields_set:  # a template's flag: a prompt has no template to apply
-            raise bad_request("add_generation_prompt applies to messages, not to a prompt", "add_generation_prompt")
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+            if name in req.model_fields_set:  # the template's: a prompt has no template to apply
+                raise bad_request(f"{name} applies to messages, not to a prompt", name)
         ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     return {
         "count": len(ids),

@@ -256,6 +256,21 @@ def test_token_arrays_generators_and_content_parts(smol):
     assert made and made[0]["total"] == 1
 
 
+def test_chat_continues_the_final_message(smol):
+    """continue_final_message (vLLM's): the prompt ends inside the assistant's begun answer, so the model goes on
+    with it; given through chat_template_kwargs it wins over the arguments, as in vLLM."""
+    g = SamplingParams(max_tokens=4, temperature=0.0)
+    begun = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "The answer is"}]
+    want = smol.tokenizer.apply_chat_template(begun[:1]) + "The answer is"
+    out = smol.chat(begun, g, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == want and out.prompt_token_ids == smol.tokenizer.encode(want, add_special_tokens=False)
+    assert out.outputs[0].token_ids == smol.generate(want, g, use_tqdm=False)[0].outputs[0].token_ids
+    kw = {"add_generation_prompt": False, "continue_final_message": True}
+    assert smol.chat(begun, g, use_tqdm=False, chat_template_kwargs=kw)[0].prompt == want
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        smol.chat(begun, g, use_tqdm=False, continue_final_message=True)
+
+
 def test_bad_requests_leave_nothing_behind(smol):
     with pytest.raises(ValueError, match="prompt: .* tokens leave no room"):
         smol.generate(["ok", "x " * 600], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4)])

@@ -101,6 +101,27 @@ def test_chat_and_system_prompt(client, tokenizer):
     assert out.usage.completion_tokens <= 3
 
 
+def test_chat_continues_the_final_message(client, http, tokenizer):
+    """vLLM's continue_final_message: the prompt ends inside the begun assistant answer and the completion goes on
+    from it, as a completion of that text does; /tokenize renders the same prompt; chat_template_kwargs win over
+    the flags."""
+    begun = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+    prompt = tokenizer.apply_chat_template(CHAT) + "The answer is"
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    out = client.chat.completions.create(model=MODEL, messages=begun, max_tokens=5, temperature=0, extra_body=flags)
+    ref = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    assert out.choices[0].message.content == ref.choices[0].text
+    assert out.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+    r = http.post("/tokenize", json={"messages": begun, "chat_template_kwargs": flags})
+    assert r.json()["tokens"] == tokenizer.encode(prompt, add_special_tokens=False), r.text
+    for body in ({"continue_final_message": True}, {"chat_template_kwargs": {"continue_final_message": True}}):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": begun, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                 "chat_template_kwargs": {"messages": []}})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
 def test_n_samples(client):
     out = client.completions.create(model=MODEL, prompt=PROMPT, n=3, max_tokens=5, temperature=1.0, seed=7,
                                     extra_body={"ignore_eos": True})  # fmt: skip
