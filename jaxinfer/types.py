@@ -12,8 +12,25 @@ from dataclasses import dataclass, field
 
 def is_integer(x: object) -> bool:
     """An integer a caller may hand over (numpy's included), and not a bool: int() would take True as 1, and 1.7 as
-    1. (SamplingParams' own fields take Python ints only: they cross to the engine's process as msgpack.)"""
+    1."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _python_number(x: object) -> object:
+    """A numpy scalar (np.int64 from `rng.integers`, np.float32 from an array) as the Python number it holds;
+    anything else as it is, for the checks to judge. SamplingParams keeps Python types only: its fields cross to
+    the engine's process as msgpack."""
+    if isinstance(x, bool) or type(x) in (int, float):
+        return x
+    if is_integer(x):
+        return int(x)
+    if isinstance(x, numbers.Real):
+        return float(x)
+    return x
+
+
+_NUMBERS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+            "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs")  # fmt: skip
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -64,6 +81,11 @@ class SamplingParams:
     session_id: str | None = None
 
     def __post_init__(self) -> None:
+        for name in _NUMBERS:
+            object.__setattr__(self, name, _python_number(getattr(self, name)))
+        if hasattr(self.stop_token_ids, "tolist") and not isinstance(self.stop_token_ids, list | tuple):
+            object.__setattr__(self, "stop_token_ids", self.stop_token_ids.tolist())  # a numpy array of ids
+
         def is_int(x: object) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
@@ -116,7 +138,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple), "stop_token_ids",
                f"must be a list of token ids, got {self.stop_token_ids!r}")  # fmt: skip
-        ids = tuple(self.stop_token_ids or ())
+        ids = tuple(_python_number(t) for t in self.stop_token_ids or ())
         _check(all(is_int(t) and 0 <= t <= INT32_MAX for t in ids), "stop_token_ids",
                "must be token ids (non-negative integers)")  # fmt: skip
         object.__setattr__(self, "stop_token_ids", ids)
@@ -124,7 +146,7 @@ class SamplingParams:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
             bias = {}
             for k, v in self.logit_bias.items():
-                key = str(k)
+                key, v = str(_python_number(k)), _python_number(v)
                 _check(key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= INT32_MAX, "logit_bias",
                        f"keys must be token ids, got {k!r}")  # fmt: skip
                 _check(isinstance(v, int | float) and not isinstance(v, bool) and -100 <= v <= 100, "logit_bias",

@@ -563,3 +563,25 @@ def test_prompt_logprobs_of_bfloat16_logits_are_computed_in_float32(vocab):
     np.testing.assert_allclose(lp, np.take_along_axis(np.asarray(want), np.asarray(ids)[:, None], -1)[:, 0], atol=1e-5)
     np.testing.assert_allclose(top_lp, np.take_along_axis(np.asarray(want), np.asarray(top_ids), -1), atol=1e-5)
     assert lp.dtype == jnp.float32
+
+
+def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
+    """Notebook code passes numpy scalars (`seed=rng.integers(...)`, a temperature read from an array); they were
+    refused as "must be an integer ... got np.int64(5)". They become Python numbers, which the wire to the engine's
+    process carries, and equal params of Python numbers."""
+    from jaxinfer.engine.core_process import pack, params_from_wire, params_to_wire, unpack
+    from jaxinfer.types import SamplingParams
+
+    given = dict(n=np.int64(2), max_tokens=np.int32(8), temperature=np.float32(0.5), top_p=np.float64(0.75),
+                 top_k=np.int16(5), seed=np.uint64(2**63 + 1), logprobs=np.int8(2), stop_token_ids=np.array([1, 2]),
+                 logit_bias={np.int64(3): np.float32(2.0)})  # fmt: skip
+    sp = SamplingParams(**given)
+    want = SamplingParams(n=2, max_tokens=8, temperature=0.5, top_p=0.75, top_k=5, seed=2**63 + 1, logprobs=2,
+                          stop_token_ids=[1, 2], logit_bias={3: 2.0})  # fmt: skip
+    assert sp == want
+    scalars = [k for k in given if k not in ("stop_token_ids", "logit_bias")]
+    assert [type(getattr(sp, k)) for k in scalars] == [type(getattr(want, k)) for k in scalars]
+    assert [type(t) for t in sp.stop_token_ids] == [int, int]
+    assert params_from_wire(unpack(pack(params_to_wire(sp)))) == want
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):  # still a number of the wrong kind
+        SamplingParams(max_tokens=np.float32(8))
