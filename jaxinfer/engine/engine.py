@@ -257,12 +257,17 @@ class Engine:
         for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             if any(not 0 <= t < self.cfg.vocab_size for t in ids):
                 raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size})")
-        bias = len(params.logit_bias or {}) + (len(self.eos_token_ids) + len(params.stop_token_ids)) * (
-            params.min_tokens > 0
-        )
+        # Until min_tokens, the row's bias also bans the stop ids (`_row`): those share the capacity.
+        banned = set(self._min_tokens_banned(params)) if params.min_tokens > 0 else set()
+        bias = len(set(params.logit_bias or {}) | banned)
         if bias > self.cc.logit_bias_capacity:
-            raise ValueError(f"logit_bias: at most {self.cc.logit_bias_capacity} entries are supported, got {bias}")
+            also = f" ({len(banned)} of them the stop and EOS ids that min_tokens bans)" if banned else ""
+            raise ValueError(f"logit_bias: at most {self.cc.logit_bias_capacity} entries are supported, got {bias}"
+                             f"{also}")  # fmt: skip
         return prompt
+
+    def _min_tokens_banned(self, p: SamplingParams) -> tuple[int, ...]:
+        return p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
 
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
@@ -377,8 +382,7 @@ class Engine:
         p = req.params
         bias = dict(p.logit_bias or {})
         if len(req.output_token_ids) < p.min_tokens:  # min_tokens: the stop ids are banned until then
-            banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
-            bias.update({t: float("-inf") for t in banned})
+            bias.update({t: float("-inf") for t in self._min_tokens_banned(p)})
         return RowSampling(
             # top_k at or past the vocabulary keeps every token: 0 says so without overflowing int32.
             temperature=p.temperature, top_k=p.top_k if p.top_k < self.cfg.vocab_size else 0,

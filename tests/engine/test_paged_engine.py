@@ -117,6 +117,21 @@ def test_bad_requests_are_rejected(smol):
     assert eng.allocator.num_free == eng.allocator.num_pages
 
 
+def test_logit_bias_capacity_counts_the_ids_min_tokens_bans(smol):
+    """Until min_tokens the row's bias also bans the stop and EOS ids: a request is refused only when the union
+    outgrows the capacity, and the error says where the entries it did not send come from."""
+    cfg, params, _, _ = smol
+    eng = Engine(cfg, params, CacheConfig(block_size=8, num_pages=8, max_model_len=128, max_num_seqs=4,
+                                          max_num_batched_tokens=32))  # fmt: skip
+    cap, stop = eng.cc.logit_bias_capacity, (7,)
+    full = {t: -1.0 for t in range(100, 100 + cap)}
+    eng.validate([1, 2], SamplingParams(logit_bias=full, stop_token_ids=stop))  # no min_tokens: nothing banned
+    eng.validate([1, 2], SamplingParams(logit_bias={**dict(list(full.items())[1:]), 7: 1.0}, min_tokens=1,
+                                        stop_token_ids=stop, ignore_eos=True))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"at most {cap} entries are supported, got {cap + 1} \(1 of them"):
+        eng.validate([1, 2], SamplingParams(logit_bias=full, min_tokens=1, stop_token_ids=stop, ignore_eos=True))
+
+
 def test_prefix_cache_prefills_only_the_suffix(smol):
     cfg, params, prompts, _ = smol
     rng = np.random.default_rng(5)
