@@ -54,7 +54,14 @@ def check_device(device: str | None = None) -> str:
     import jax
 
     want = requested_device(device)
-    got = jax.default_backend()
+    try:
+        got = jax.default_backend()
+    except (RuntimeError, AssertionError) as e:  # JAX_PLATFORMS=cuda or tpu alone, and no such plugin or device
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        hint = _INSTALL_HINT.get(want, "unset JAX_PLATFORMS to run on whatever jax finds")
+        detail = str(e).strip() or type(e).__name__
+        message = f"device: jax could not start JAX_PLATFORMS={platforms!r} ({detail}); {hint}"
+        raise DeviceUnavailableError(message) from None
     if want != "auto" and got != want:
         raise DeviceUnavailableError(
             f"device: {want} was requested but jax initialised {got} ({jax.devices()[0].device_kind}); "

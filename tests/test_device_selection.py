@@ -170,6 +170,26 @@ def test_asking_for_an_accelerator_and_getting_cpu_is_an_error(monkeypatch, want
         check_device()
 
 
+def test_a_platform_jax_cannot_start_is_named_with_its_install_command():
+    """JAX_PLATFORMS=tpu (or cuda) alone, where that plugin is missing: jax fails its own start (RuntimeError, or a
+    bare AssertionError for cuda), which escaped as its traceback. It is a DeviceUnavailableError naming the fix."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("libtpu") is not None:
+        pytest.skip("this machine has libtpu")
+    code = "from jaxinfer.device import check_device\ncheck_device()"
+    env = {**os.environ, "JAX_PLATFORMS": "tpu"}
+    env.pop("JAXINFER_DEVICE", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("jaxinfer.device.DeviceUnavailableError: device: jax could not "
+                                                  "start JAX_PLATFORMS='tpu'"), r.stderr  # fmt: skip
+    assert "[tpu]" in last, last
+
+
 def test_matching_or_auto_device_passes(monkeypatch):
     monkeypatch.delenv("JAXINFER_DEVICE", raising=False)
     assert check_device(jax.default_backend()) == jax.default_backend()
