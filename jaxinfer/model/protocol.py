@@ -29,6 +29,9 @@ axes, see `jaxinfer.sharding.RULES`) are the engine's and apply unchanged.
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
+import sys
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -98,7 +101,11 @@ def _check_abstract_call(model: nnx.Module, cfg: ModelConfig, name: str) -> None
         (shape,) = shapes
         return shape[0] - 1 if len(shape) == (2 if out else 1) and shape[0] >= 1 else None
 
-    def attend(i, q, k, v, cache, /):  # positional, as the engine's: its names are not part of the contract
+    def attend(*args, **kwargs):  # positional, as the engine's: its names are not part of the contract
+        if kwargs or len(args) != 5:
+            raise ProtocolError(f"{name}.__call__: attend takes (i, q, k, v, kv_cache[i]) positionally, got "
+                                f"{len(args)} positional and {sorted(kwargs)} by name")  # fmt: skip
+        i, q, k, v, cache = args
         calls.append(i)
         for part, x, want in (("q", q, want_q), ("k", k, want_kv), ("v", v, want_kv)):
             if tuple(x.shape) != want:
@@ -118,14 +125,19 @@ def _check_abstract_call(model: nnx.Module, cfg: ModelConfig, name: str) -> None
         before = _leaves(state)  # now: merge shares the state's Variables, and a call that updates one updates it
         m = nnx.merge(graphdef, state)
         tokens, positions = jnp.zeros((b, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None]
+        args = (tokens, positions, [entry(i, out=False) for i in range(n)], attend)
         try:
-            out = m(tokens, positions, [entry(i, out=False) for i in range(n)], attend)
+            inspect.signature(m).bind(*args)
+        except TypeError as e:  # a call that does not fit the contract's signature: say which contract
+            contract = "__call__(token_ids, positions, kv_cache, attend) -> (hidden, kv_cache)"
+            raise ProtocolError(f"{name}.__call__ does not take the contract's arguments ({e}): {contract}") from e
+        try:
+            out = m(*args)
         except ProtocolError:
             raise
-        except TypeError as e:  # a call that does not fit the contract's signatures: say which contract
-            raise ProtocolError(f"{name}.__call__ failed: {e}. The contract: __call__(token_ids, positions, kv_cache, "
-                                "attend) -> (hidden, kv_cache), and attend(i, q, k, v, kv_cache[i]) called "
-                                "positionally (jaxinfer.model.protocol)") from e  # fmt: skip
+        except Exception as e:  # the module's own code (its math, shapes): the error as it is, where it ran
+            raise ProtocolError(f"{name}.__call__ failed on abstract inputs of {b} x {t} tokens: "
+                                f"{type(e).__name__}: {str(e).rstrip('.')}") from e  # fmt: skip
         if not (isinstance(out, tuple) and len(out) == 2):
             raise ProtocolError(f"{name}.__call__: must return (hidden, kv_cache), got {type(out).__name__}")
         hidden, new_cache = out
@@ -185,8 +197,12 @@ def is_entry_point(spec: str) -> bool:
 
 
 def load_entry_point(spec: str) -> tuple[nnx.Module, Any]:
-    """Imports `pkg.module:build` and calls it: it returns a module, or (module, tokenizer)."""
+    """Imports `pkg.module:build` and calls it: it returns a module, or (module, tokenizer). The current directory
+    is searched after sys.path, as uvicorn searches it for an app: `jaxinfer serve` and `python serve.py` put their
+    script's folder first, not the one the user runs them from, where `mymodels/` usually is."""
     mod, _, attr = spec.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         build = getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError) as e:

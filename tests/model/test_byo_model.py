@@ -7,6 +7,8 @@ attention written here. A module missing part of the protocol fails at load time
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +81,20 @@ def test_entry_point_string_loads_the_module():
     assert isinstance(engine.runner.model_def.merge(engine.runner.weights), ParallelLM)
     with pytest.raises(ProtocolError, match="no_such_module"):
         build_engine(EngineArgs("no_such_module:build", tokenizer=tok, **SETTINGS))
+
+
+def test_an_entry_point_is_found_in_the_current_directory(tmp_path, monkeypatch):
+    """`jaxinfer serve mymodels.lm:build` run from the folder that holds mymodels/: the script's folder is first on
+    sys.path, not the current one, so the import failed (uvicorn searches the current directory for its app)."""
+    from jaxinfer.model.protocol import load_entry_point
+
+    (tmp_path / "cwd_models").mkdir()
+    (tmp_path / "cwd_models" / "__init__.py").write_text("")
+    (tmp_path / "cwd_models" / "lm.py").write_text("from tests.model.byo_model import build\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    module, tokenizer = load_entry_point("cwd_models.lm:build")
+    assert isinstance(module, ParallelLM) and tokenizer is not None
 
 
 def test_settings_that_do_not_apply_to_a_module_are_errors_and_a_tokenizer_path_works():
@@ -265,6 +281,12 @@ class Logits3D(ParallelLM):
         return jnp.einsum("btd,vd->btv", hidden, self.embed.embedding[...])
 
 
+class BadMath(ParallelLM):
+    def __call__(self, token_ids, positions, kv_cache, attend):
+        hidden, cache = super().__call__(token_ids, positions, kv_cache, attend)
+        return hidden @ jnp.ones((3, 3)), cache
+
+
 class WrongHeads(ParallelLM):
     def __init__(self, rngs):
         super().__init__(SMALL, rngs=rngs)
@@ -279,8 +301,10 @@ class WrongHeads(ParallelLM):
         (lambda: NoLogits(SMALL, rngs=nnx.Rngs(0)), r"NoLogits\.logits\(hidden\): missing"),
         (lambda: SkipsALayer(SMALL, rngs=nnx.Rngs(0)), "must call attend once per layer"),
         (lambda: ReturnsNoCache(SMALL, rngs=nnx.Rngs(0)), r"must return \(hidden, kv_cache\)"),
-        (lambda: AttendsByKeyword(SMALL, rngs=nnx.Rngs(0)), r"AttendsByKeyword.__call__ failed: .*cache.*positionally"),
-        (lambda: NoPositions(SMALL, rngs=nnx.Rngs(0)), r"NoPositions\.__call__ failed: .*The contract: __call__"),
+        (lambda: AttendsByKeyword(SMALL, rngs=nnx.Rngs(0)), r"AttendsByKeyword.__call__: attend takes .*positionally"),
+        (lambda: NoPositions(SMALL, rngs=nnx.Rngs(0)), r"NoPositions\.__call__ does not take the contract's arguments"),
+        # the module's own math: its error as it is, not a lecture on the signature
+        (lambda: BadMath(SMALL, rngs=nnx.Rngs(0)), r"BadMath\.__call__ failed on abstract inputs .*TypeError: dot_gen"),
         (lambda: WrongHeads(nnx.Rngs(0)), r"attend\(q=\.\.\.\) got shape \(1, 2, 4, 8\)"),
         (lambda: ForgetsCache(SMALL, rngs=nnx.Rngs(0)), r"returned kv_cache\[0\] is not what attend returned"),
         (lambda: OneCacheForAll(SMALL, rngs=nnx.Rngs(0)), r"attend for layer 1 got kv_cache\[0\]"),
