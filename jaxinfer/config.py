@@ -199,6 +199,13 @@ _GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 }  # fmt: skip
 
 
+class _RequiredFields(dict):
+    """A config.json whose `cfg[name]` names the field it lacks (it was a bare KeyError: 'hidden_size')."""
+
+    def __missing__(self, key: str) -> Any:
+        raise UnsupportedConfigError(f"config.json: {key!r} is missing (model_type={self.get('model_type')!r})")
+
+
 def from_hf_config(cfg: dict[str, Any], dtype: str = "float32") -> ModelConfig:
     """Builds a ModelConfig from the dict of an HF `config.json` (transformers 4.x or 5.x layout)."""
     model_type = cfg.get("model_type")
@@ -212,6 +219,7 @@ def from_hf_config(cfg: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         )
     if arch == "gemma3":  # released configs (google/gemma-3-4b-it's text_config) write only what differs from these
         cfg = {**_GEMMA3_TEXT_DEFAULTS, **cfg}
+    cfg = _RequiredFields(cfg)
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if act not in _ACTIVATIONS:
         raise UnsupportedConfigError(f"hidden_act={act!r} is not supported")

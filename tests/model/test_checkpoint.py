@@ -264,6 +264,11 @@ def test_unknown_architecture_hf():
         from_hf_config({"model_type": "gpt2", "hidden_size": 8})
 
 
+def test_a_config_json_without_a_needed_field_names_it():
+    with pytest.raises(UnsupportedConfigError, match=r"config.json: 'hidden_size' is missing \(model_type='llama'\)"):
+        from_hf_config({"model_type": "llama"})
+
+
 def test_unknown_architecture_gguf():
     with pytest.raises(UnsupportedConfigError, match="general.architecture='falcon'"):
         from_gguf_metadata({"general.architecture": "falcon"})
