@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 FAULT_REQUEST_ENV = "JAXINFER_FAULT_REQUEST"
 
 
+def min_tokens_banned(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids a row's bias bans until min_tokens: its stop ids, and EOS unless ignore_eos (vLLM v1's rule)."""
+    return params.stop_token_ids + (() if params.ignore_eos else eos_token_ids)
+
+
 class EngineFatalError(RuntimeError):
     """The device failed: the KV pool (and every request in it) is gone; the engine cannot serve any more."""
 
@@ -258,16 +263,13 @@ class Engine:
             if any(not 0 <= t < self.cfg.vocab_size for t in ids):
                 raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size})")
         # Until min_tokens, the row's bias also bans the stop ids (`_row`): those share the capacity.
-        banned = set(self._min_tokens_banned(params)) if params.min_tokens > 0 else set()
+        banned = set(min_tokens_banned(params, self.eos_token_ids)) if params.min_tokens > 0 else set()
         bias = len(set(params.logit_bias or {}) | banned)
         if bias > self.cc.logit_bias_capacity:
             also = f" ({len(banned)} of them the stop and EOS ids that min_tokens bans)" if banned else ""
             raise ValueError(f"logit_bias: at most {self.cc.logit_bias_capacity} entries are supported, got {bias}"
                              f"{also}")  # fmt: skip
         return prompt
-
-    def _min_tokens_banned(self, p: SamplingParams) -> tuple[int, ...]:
-        return p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
 
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
@@ -382,7 +384,7 @@ class Engine:
         p = req.params
         bias = dict(p.logit_bias or {})
         if len(req.output_token_ids) < p.min_tokens:  # min_tokens: the stop ids are banned until then
-            bias.update({t: float("-inf") for t in self._min_tokens_banned(p)})
+            bias.update({t: float("-inf") for t in min_tokens_banned(p, self.eos_token_ids)})
         return RowSampling(
             # top_k at or past the vocabulary keeps every token: 0 says so without overflowing int32.
             temperature=p.temperature, top_k=p.top_k if p.top_k < self.cfg.vocab_size else 0,
