@@ -65,7 +65,10 @@ class AccessLog:
     def request(self, rec: RequestRecord) -> None:
         self.write(record_line(rec))
 
-    def refused(self, request_id: str | None, key_id: str | None, endpoint: str, status: int, code: str | None) -> None:
+    def refused(
+        self, request_id: str | None, key_id: str | None, endpoint: str | None, status: int, code: str | None
+    ) -> None:
+        """endpoint None: the connection layer's answer to a head that never arrived whole (connections.py)."""
         self.write({"id": request_id, "key_id": key_id, "endpoint": endpoint, "status": status, "error": code})
 
     def close(self) -> None:

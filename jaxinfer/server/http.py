@@ -111,8 +111,13 @@ class DrainingServer(uvicorn.Server):
 def uvicorn_config(app: FastAPI, args: ServerArgs, **overrides) -> uvicorn.Config:
     """uvicorn's settings for `app`: the h11 protocol with a request-head deadline (connections.py), whatever
     protocol uvicorn would pick by itself."""
-    metrics = app.state.ctx.metrics
-    protocol = DeadlineH11Protocol.with_error_hook(lambda status, code: metrics.http_errors.labels(str(status)).inc())
+    ctx = app.state.ctx
+
+    def told(status: int, code: str) -> None:  # a 408 or 400 of the connection layer: no request, no path
+        ctx.metrics.http_errors.labels(str(status)).inc()
+        ctx.access_log.refused(None, None, None, status, code)
+
+    protocol = DeadlineH11Protocol.with_error_hook(told)
     settings = dict(host=args.host, port=args.port, log_level=args.log_level, http=protocol,
                     timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=_CANCEL_AFTER_S)  # fmt: skip
     return uvicorn.Config(app, **{**settings, **overrides})

@@ -5,6 +5,7 @@ OpenAI's shape; a slow body is the body deadline's business, not the head's."""
 from __future__ import annotations
 
 import json
+import logging
 import select
 import socket
 import time
@@ -195,10 +196,13 @@ def test_sigterm_waits_for_a_request_still_sending_its_body(server):
     assert not server.thread.is_alive()
 
 
-def test_the_connection_layers_errors_are_counted_on_metrics(server):
+def test_the_connection_layers_errors_are_counted_on_metrics_and_logged(server, caplog):
     """These answers never reach the app's error handlers: /metrics did not count them (450 head timeouts of a
-    flood left jaxinfer:http_errors_total{status="408"} at 0)."""
+    flood left jaxinfer:http_errors_total{status="408"} at 0), nor did the access log show them."""
+    from jaxinfer.server.access_log import ACCESS_LOGGER
     from tests.server.conftest import metric
+
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
 
     def count(status: str) -> float:
         try:
@@ -215,3 +219,6 @@ def test_the_connection_layers_errors_are_counted_on_metrics(server):
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
         assert read_response(sock)[0] == 400
     assert (count("408"), count("400")) == (before[0] + 2, before[1] + 1)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
+    told = [(x["status"], x["error"], x["endpoint"]) for x in lines if x["status"] in (400, 408)]
+    assert told == [(408, "request_timeout", None)] * 2 + [(400, "invalid_http", None)], lines
