@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from jaxinfer.engine.config import EngineArgs
+from jaxinfer.errors import user_errors
 from jaxinfer.server.args import ServerArgs, add_engine_flags, make_parser, parse_args
 
 PROG = "jaxinfer"
@@ -126,7 +127,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model, given first (default: --model's)"
     )
-    p.set_defaults(run=_serve)
+    p.set_defaults(run=_serve, parser=p)  # server_args reports the server's own checks with it
 
 
 def server_args(rest: list[str]) -> ServerArgs:
@@ -138,7 +139,7 @@ def server_args(rest: list[str]) -> ServerArgs:
         if "--model" in rest:
             raise SystemExit(f"{PROG} serve: give the model either as MODEL or as --model, not both")
         rest = ["--model", ns.model_tag, *rest[1:]]
-    return parse_args(rest)
+    return parse_args(rest, reporter=ns.parser)  # `jaxinfer serve`'s short usage and name, not serve.py's
 
 
 def _serve(ns: argparse.Namespace, rest: list[str]) -> int:
@@ -586,27 +587,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return ns.run(ns, rest)
     except Exception as e:
-        if not isinstance(e, _user_errors()):
+        if not isinstance(e, (ServerError, *user_errors())):  # a server's answer is not our bug either
             raise  # a bug: its traceback
         print(f"{PROG} {ns.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """The errors that name a bad input (a path, a setting, a file that is not a model, a device that is not there,
-    a server's answer): a message, not a traceback. The library raises ValueError (and its kinds: unsupported
-    configs, checkpoints, tokenizers, meshes) for what it was given and OSError for what it could not read or
-    write. Others are looked up where they are defined only once raised from there (the CLI imports no model code
-    to start)."""
-    kinds: list[type[BaseException]] = [ServerError, ValueError, OSError]
-    for module, name in (
-        ("jaxinfer.types", "RequestsFailedError"),  # the engine's reason for each: a line, not a traceback
-        ("jaxinfer.device", "DeviceUnavailableError"),
-        ("jaxinfer.model.protocol", "ProtocolError"),
-    ):
-        if module in sys.modules:
-            kinds.append(getattr(sys.modules[module], name))
-    return tuple(kinds)
 
 
 if __name__ == "__main__":

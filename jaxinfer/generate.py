@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import user_errors
 from jaxinfer.model.attention import contiguous_attend, init_contiguous_cache
 from jaxinfer.model.functional import ModelDef, split_model
 from jaxinfer.model.transformer import Params
@@ -119,7 +120,6 @@ def generate_tokens(
 
 def main(argv: list[str] | None = None) -> int:
     from jaxinfer.model_files import DEFAULT_MODEL
-    from jaxinfer.weights import load_model
 
     ap = argparse.ArgumentParser(prog="python -m jaxinfer.generate", description=__doc__)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="preset name, GGUF file, HF directory or checkpoint")
@@ -137,6 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.temperature < 0:
         ap.error("--temperature must be >= 0")
+    if args.max_tokens < 1:
+        ap.error("--max-tokens must be >= 1")
+    try:
+        return _run(args)
+    except user_errors() as e:  # a bad model path or setting: one line, as `jaxinfer generate` says it
+        print(f"{ap.prog}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jaxinfer.weights import load_model
 
     t0 = time.perf_counter()
     m = load_model(args.model, dtype=args.dtype)

@@ -27,26 +27,27 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
-def parse_bytes(value: int | float | str | None, name: str = "kv_cache_memory") -> int | None:
+def parse_bytes(value: int | float | str | None, name: str | None = "kv_cache_memory") -> int | None:
     """Bytes from an int or text like "4GiB", "512 MiB", "2e9", "1.5G" (None stays None). Raises ValueError naming
-    `name` on anything else."""
+    `name` on anything else; `name=None` leaves the naming to the caller (argparse names the flag itself)."""
     if value is None:
         return None
+    said = f"{name}: " if name is not None else ""
     if isinstance(value, bool):
-        raise ValueError(f"{name}: expected bytes or a size like '4GiB', got {value!r}")
+        raise ValueError(f"{said}expected bytes or a size like '4GiB', got {value!r}")
     if isinstance(value, int | float):
         n = value
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{name}: expected bytes or a size like '4GiB' or '512MiB', got {value!r}")
+            raise ValueError(f"{said}expected bytes or a size like '4GiB' or '512MiB', got {value!r}")
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if n < 1:
-        raise ValueError(f"{name}: must be at least 1 byte, got {value!r}")
+        raise ValueError(f"{said}must be at least 1 byte, got {value!r}")
     return int(n)
 
 
-def parse_size(value: int | float | str | None, name: str) -> int | None:
+def parse_size(value: int | float | str | None, name: str | None) -> int | None:
     """As `parse_bytes`, but 0 (or "0") is allowed: it turns the thing off."""
     if value is not None and not isinstance(value, bool) and str(value).strip() in ("0", "0.0"):
         return 0

@@ -140,7 +140,11 @@ def _load(model: str | nnx.Module, tokenizer: Tokenizer | str | None, dtype: str
         )
     tokenizer = _tokenizer(tokenizer or built_tokenizer)
     if tokenizer is None:
-        raise ValueError("tokenizer: a user model needs one, e.g. LLM(my_module, tokenizer='smollm2-135m-instruct')")
+        # Said for the Python API and the command line alike: the same module may be served or run offline.
+        raise ValueError(
+            "tokenizer: a user model needs one: LLM(my_module, tokenizer=NAME_OR_PATH), --tokenizer NAME_OR_PATH"
+            " (e.g. smollm2-135m-instruct), or a build() that returns (module, tokenizer)"
+        )
     if tokenizer.vocab_size > cfg.vocab_size:  # allowed (a model trained on a prefix of a tokenizer's ids), but
         # a text can then encode to ids the model has no row for, and those requests are refused
         log.warning("the tokenizer has %d tokens, more than the model's config.vocab_size=%d: a prompt holding ids "

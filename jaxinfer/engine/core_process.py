@@ -48,6 +48,7 @@ import zmq
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.outbox import RESULTS_HWM, ResultsOutbox
+from jaxinfer.errors import user_errors
 from jaxinfer.host_memory import freeze_for_good, gc_paused
 from jaxinfer.startup import compile_deferred, pending_compiles
 from jaxinfer.types import SamplingParams, SeqTiming, SeqUpdate
@@ -210,7 +211,10 @@ def run_core(args: dict, commands_addr: str, results_addr: str, parent_pid: int,
             engine, tokenizer = (build or _build)(args)
             facts = engine_facts(engine, tokenizer)
         except BaseException as e:
-            log.exception("loading the model failed")
+            # The server names the error in its one line ("exiting: loading the model failed: ..."): the traceback
+            # too only for a bug, not for a bad model path or setting (--log-level debug shows it there as well).
+            level = logging.DEBUG if isinstance(e, user_errors()) else logging.ERROR
+            log.log(level, "loading the model failed", exc_info=True)
             outbox.message({"t": "failed", "type": type(e).__name__, "error": str(e)})
             code = 1
             return

@@ -95,14 +95,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _bytes(flag: str, zero_turns_off: bool = False) -> Callable[[str], int]:
+def _bytes(zero_turns_off: bool = False) -> Callable[[str], int]:
     """A byte-size flag's type: an int or text like 4GiB (jaxinfer.cache.sizing); 0 too when it turns a thing off."""
 
     def parse(text: str) -> int:
         from jaxinfer.cache.sizing import parse_bytes, parse_size
 
-        try:
-            return int(parse_size(text, flag) if zero_turns_off else parse_bytes(text, flag))
+        try:  # unnamed: argparse says "argument --flag: " before the message
+            return int(parse_size(text, None) if zero_turns_off else parse_bytes(text, None))
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -157,7 +157,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-memory",
-        type=_bytes("--kv-cache-memory"),
+        type=_bytes(),
         default=D.kv_cache_memory,
         help="most KV cache bytes per device, e.g. 4GiB or 2000000000 (CPU default: what the scheduler can "
         "address, at most 1.5GiB)",
@@ -181,7 +181,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     sessions.add_argument(
         "--host-kv-cache-memory",
-        type=_bytes("--host-kv-cache-memory", zero_turns_off=True),
+        type=_bytes(zero_turns_off=True),
         default=D.host_kv_cache_memory,
         help="host memory for prefix KV pages the device pool gives up, copied back on a hit instead of recomputed,"
         " e.g. 8GiB; data-parallel replicas share it equally (default: 1GiB on GPU/TPU, off on CPU; 0: off)",
@@ -335,12 +335,17 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
-    ns = make_parser().parse_args(argv)
+def parse_args(argv: Sequence[str] | None = None, reporter: argparse.ArgumentParser | None = None) -> ServerArgs:
+    """The server's flags, checked before anything starts. A bad value exits through `reporter.error`, as argparse
+    exits for a bad flag: pass the parser the user's command was read with (`jaxinfer serve`'s, whose usage is short
+    and whose name is the command run); by default, the server's own."""
+    parser = make_parser()
+    ns = parser.parse_args(argv)
+    error = (reporter or parser).error
     if ns.max_waiting is not None and ns.max_waiting < 1:  # 0 would refuse every request
-        make_parser().error("--max-waiting must be >= 1")
+        error("--max-waiting must be >= 1")
     if not 0 < ns.gpu_memory_utilization <= 1:
-        make_parser().error("--gpu-memory-utilization must be in (0, 1]")
+        error("--gpu-memory-utilization must be in (0, 1]")
     # Bad keys stop the start, before the model loads.
     from jaxinfer.server.keys import KeyFileError, KeyRing, check_key
 
@@ -348,17 +353,17 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         if ns.api_key is not None:
             check_key(ns.api_key, "--api-key")
     except KeyFileError as e:
-        make_parser().error(str(e))
+        error(str(e))
     try:
         if ns.api_keys_file is not None:
             KeyRing(ns.api_key, ns.api_keys_file)
     except KeyFileError as e:
-        make_parser().error(f"--api-keys-file: {e}")
+        error(f"--api-keys-file: {e}")
     if ns.filters_config is not None:  # a bad file stops the server before it starts, not at its first request
         from jaxinfer.server.filters import load_filters
 
         try:
             load_filters(ns.filters_config)
         except ValueError as e:
-            make_parser().error(str(e))
+            error(str(e))
     return ServerArgs(**vars(ns))

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from jaxinfer.errors import user_errors
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import APIError
 
@@ -101,8 +102,9 @@ class ServerState:
                 log.info("loading stopped: the server is shutting down")
                 return
             name = getattr(e, "remote_type", None)  # failed in the engine process, which logged the traceback
-            if name is None:
-                log.exception("loading the model failed")
+            if name is None:  # in this process (--no-engine-process): a traceback only for a bug, as there
+                log.log(logging.DEBUG if isinstance(e, user_errors()) else logging.ERROR, "loading the model failed",
+                        exc_info=True)  # fmt: skip
                 name = type(e).__name__
             self.error = f"loading the model failed: {name}: {e}"
             self.phase = Phase.FAILED

@@ -105,13 +105,19 @@ def test_accelerator_uses_the_tightest_device_per_device_bytes():
 
 
 def test_server_flag_takes_sizes_and_rejects_nonsense(capsys):
+    from jaxinfer.engine.config import EngineArgs
     from jaxinfer.server.args import parse_args
 
     assert parse_args(["--kv-cache-memory", "4GiB"]).kv_cache_memory == 4 * GiB
     assert parse_args([]).kv_cache_memory is None
-    with pytest.raises(SystemExit):
-        parse_args(["--kv-cache-memory", "lots"])
-    assert "--kv-cache-memory" in capsys.readouterr().err
+    for flag in ("--kv-cache-memory", "--host-kv-cache-memory"):
+        with pytest.raises(SystemExit):
+            parse_args([flag, "lots"])
+        said = capsys.readouterr().err.splitlines()[-1]  # the usage above it lists every flag
+        assert said.count(flag) == 1 and "expected bytes" in said, said  # argparse names it, once
+    # The Python API has no argparse to name the parameter: the parser does.
+    with pytest.raises(ValueError, match="^kv_cache_memory: expected bytes"):
+        EngineArgs(kv_cache_memory="lots")
 
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])

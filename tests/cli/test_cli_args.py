@@ -71,6 +71,20 @@ def test_ports_outside_the_tcp_range_are_refused():
             server_args(["--port", bad])
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [["--api-keys-file", "/nonexistent.jsonl"], ["--max-waiting", "0"], ["--gpu-memory-utilization", "1.5"],
+     ["--port", "99999"]],  # the last one argparse's own type check refuses
+)  # fmt: skip
+def test_serve_names_a_bad_value_as_it_names_a_bad_flag(flags, capsys):
+    """The server's checks after argparse's printed serve.py's 40-line usage and `serve.py: error:`."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *flags])
+    usage, said = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and usage == "usage: jaxinfer serve [MODEL] [options]"
+    assert said.startswith("jaxinfer serve: error: ") and flags[0] in said
+
+
 def test_bad_values_and_missing_models_are_one_line_errors(tmp_path, capsys):
     assert main(["generate", "--prompt", "x", "--temperature", "-1"]) == 2  # before any model loads
     assert "jaxinfer generate: error: temperature must be >= 0" in capsys.readouterr().err
@@ -154,6 +168,15 @@ def test_generate_falls_back_to_the_models_generation_config(tiny_model, tmp_pat
     assert main(["generate", "--model", str(model), "--no-chat", "--max-tokens", "2", *settings_flags(), *flags,
                  "--prompt", "Hi"]) == 0  # fmt: skip
     assert {k: getattr(seen[0], k) for k in want} == want
+
+
+def test_the_reference_generator_names_a_bad_model_in_one_line(capsys):
+    """`python -m jaxinfer.generate` (the contiguous-cache reference's CLI) printed a traceback for a bad preset."""
+    from jaxinfer.generate import main as reference_main
+
+    assert reference_main(["--prompt", "x", "--model", "no-such-preset"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m jaxinfer.generate: ModelNotFoundError: ") and len(err.splitlines()) == 1, err
 
 
 def test_complete_quick_streams_the_servers_completion(live_server):

@@ -1,7 +1,7 @@
 """The engine core in its own process (--engine-process, serve.py's default), on a tiny random-weight model:
 the same tokens as the in-process engine, many streams at once, stop strings found on the API side, the same 400s,
-a killed core (streams end with an error, 503s, the server exits) and no core left behind by a server that stops
-or is killed.
+a killed core (streams end with an error, 503s, the server exits), no core left behind by a server that stops
+or is killed, and a model that cannot load named in one line (a traceback only for a bug).
 
 One server serves the output tests and then stops with SIGTERM; a second one has its core killed; a third one is
 killed while its core loads. Warm starts take seconds thanks to the XLA compilation cache.
@@ -305,6 +305,51 @@ def test_a_server_that_cannot_listen_stops_its_core(tiny_model, tmp_path):
             _wait_gone(pid, 30)
         finally:
             srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("model", "says", "flags"),
+    [("{tmp}/nowhere.gguf", "ModelNotFoundError: model path", ()),
+     ("{tmp}/nowhere.gguf", "ModelNotFoundError: model path", ("--no-engine-process",)),  # loaded in the server's
+     ("tests.model.byo_model:model", "--tokenizer NAME_OR_PATH", ())],  # a module of one's own, without a tokenizer
+)  # fmt: skip
+def test_a_model_that_cannot_load_is_named_in_one_line(tmp_path, model, says, flags):
+    """A bad model path or setting is the user's error, not a bug: the server exits naming it in one line, as
+    `jaxinfer generate` does. The engine process printed its traceback before that line; the tokenizer's advice was
+    for the Python API only."""
+    srv = start_server(tmp_path / "server.log", "--model", model.format(tmp=tmp_path), *flags)
+    try:
+        assert srv.proc.wait(120) == 1
+    finally:
+        srv.stop()
+    log = srv.log_tail(100_000)
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "exiting: loading the model failed" in errors[0] and says in errors[0], log
+    assert "Traceback" not in log, log
+
+
+def _bad_setting_build(args: dict):
+    raise ValueError("injected bad setting")
+
+
+def _buggy_build(args: dict):
+    raise KeyError("injected bug")
+
+
+@pytest.mark.parametrize(("build", "traceback"), [(_bad_setting_build, False), (_buggy_build, True)])
+def test_only_a_bug_while_loading_prints_its_traceback(capfd, build, traceback):
+    """The API side names either in its one line; the core adds the traceback of a bug (the same rule as the CLI's:
+    jaxinfer.errors)."""
+    from jaxinfer.engine.mp_engine import EngineLoadError, MPAsyncEngine
+    from jaxinfer.server.args import ServerArgs
+
+    engine = MPAsyncEngine(ServerArgs(model="fake"), build=build)
+    try:
+        with pytest.raises(EngineLoadError, match="injected"):
+            engine.wait_ready(60)
+    finally:
+        engine.shutdown()
+    assert ("Traceback" in capfd.readouterr().err) == traceback
 
 
 class _FailingEngine(FakeEngine):
