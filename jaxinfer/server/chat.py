@@ -9,7 +9,7 @@ from typing import Any
 
 import jinja2
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
@@ -119,7 +119,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         return Response(status_code=499)
     finally:
         admission.release()
-    return JSONResponse(view.response(final), headers=admission.headers())
+    return await ctx.json_response(lambda: view.response(final), admission.headers())
 
 
 class _View:

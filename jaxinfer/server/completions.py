@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
@@ -109,7 +109,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
     finally:
         admission.release()
-    return JSONResponse(view.response(finals), headers=admission.headers())
+    return await ctx.json_response(lambda: view.response(finals), admission.headers())
 
 
 class _View:

@@ -10,9 +10,10 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from jaxinfer.server.access_log import AccessLog
 from jaxinfer.server.admission import Admission, PromptRecord, RequestRecord
@@ -61,6 +62,11 @@ class ServingContext:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.args.tokenizer_threads, thread_name_prefix="jaxinfer-cpu")
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def json_response(self, build: Callable[[], Any], headers: dict[str, str] | None = None) -> JSONResponse:
+        """A whole (non-streamed) response, built and serialized on the thread pool: n=128 choices with 20 top
+        logprobs a token make tens of MB, whose building on the event loop stalled every other stream for seconds."""
+        return await self.off_loop(lambda: JSONResponse(build(), headers=headers))
 
     async def _off_loop_filtering(self, fn: Callable[..., T], *args) -> T:
         """Output filters on threads of their own: a slow filter delays the choices it checks, not tokenization."""

@@ -18,7 +18,7 @@ async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
     req = await parse_request(request, TokenizeRequest, ctx.args.max_body_bytes, ctx.off_loop)
     ctx.state.require_ready()
     ctx.model_name(req.model)
-    return JSONResponse(await ctx.off_loop(_tokenize, ctx, req))  # templates and tokenization off the event loop
+    return await ctx.json_response(lambda: _tokenize(ctx, req))  # templates, tokenization, JSON: off the event loop
 
 
 def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:

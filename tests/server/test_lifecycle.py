@@ -95,6 +95,38 @@ def test_503_while_loading_then_ready(make_server):
     assert "jaxinfer:server_ready 1.0" in srv.http.get("/metrics").text
 
 
+@pytest.mark.parametrize(
+    ("module", "path", "body"),
+    [("completions", "/v1/completions", BODY),
+     ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})],
+)  # fmt: skip
+def test_a_whole_response_is_built_off_the_event_loop(make_server, monkeypatch, module, path, body):
+    """n=128 choices with 20 top logprobs a token make a response of tens of MB: built and serialized on the event
+    loop, it stalled /health and every stream for seconds. While one is built, the server still answers."""
+    import importlib
+
+    view = importlib.import_module(f"jaxinfer.server.{module}")._View
+    building, release = threading.Event(), threading.Event()
+    build = view.response
+
+    def held(self, finals):
+        building.set()
+        assert release.wait(30)
+        return build(self, finals)
+
+    monkeypatch.setattr(view, "response", held)
+    srv = make_server()
+    srv.wait_ready()
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            answer = pool.submit(httpx.post, srv.url + path, json=body, timeout=60)
+            assert building.wait(30)
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        finally:
+            release.set()
+        assert answer.result().status_code == 200
+
+
 def test_load_failure_stops_the_server(make_server):
     srv = make_server(fail_load=True)
     srv.thread.join(30)
