@@ -348,6 +348,12 @@ class Tokenizer:
             raise IndexError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
         return self._backend.token_bytes(int(i))
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (special tokens: their spelling): a text encodes to at least
+        its length over this many tokens, normalization aside (the server refuses megabytes without encoding them)."""
+        return max(1, max(len(self._backend.token_bytes(i)) for i in range(self.vocab_size)))
+
     def is_special(self, i: int) -> bool:
         return int(i) in self._backend.special_ids
 

@@ -20,7 +20,7 @@ from jaxinfer.server.logprobs import chat_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage, template_kwargs
 from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
-from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns
+from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns, refuse_surely_too_long
 from jaxinfer.tokenizer import ChatTemplateError, Tokenizer, template_role
 from jaxinfer.types import RequestOutput
 
@@ -89,6 +89,7 @@ def _engine_request(
     if ctx.args.chat_truncation == "oldest":
         (text, ids), truncation = drop_oldest_turns(convo, encode, lambda e: len(e[1]), need, limit)
     else:
+        refuse_surely_too_long(ctx.tokenizer, "".join(m["content"] for m in convo), limit, "messages")
         text, ids = encode(convo)
         check_fits(len(ids), need, limit, "messages")
     params, renames = chat_params(req, len(ids), limit, engine.sampling_defaults)

@@ -27,7 +27,7 @@ from jaxinfer.server.streaming import (
     merge,
     sse,
 )
-from jaxinfer.server.truncation import completion_room, keep_last_tokens
+from jaxinfer.server.truncation import completion_room, keep_last_tokens, refuse_surely_too_long
 from jaxinfer.types import CompletionOutput, RequestOutput
 
 
@@ -50,6 +50,8 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | No
         if not item:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(item, str):
+            if req.truncate_prompt_tokens is None:  # truncated, a text of any length may fit
+                refuse_surely_too_long(ctx.tokenizer, item, ctx.context_tokens, "prompt")
             out.append((item, ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)))
         else:
             out.append((None, list(item)))

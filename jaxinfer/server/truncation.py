@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from jaxinfer.server.errors import APIError, bad_request
+from jaxinfer.tokenizer import Tokenizer
 
 _SYSTEM_ROLES = ("system", "developer")
 
@@ -66,6 +67,30 @@ def completion_room(max_tokens: int | None, limit: int, param: str) -> int:
         raise APIError(400, f"{param}: {need} completion tokens leave no room for a prompt in this model's maximum "
                        f"context length of {limit} tokens", param, "context_length_exceeded")  # fmt: skip
     return need
+
+
+# How many characters a token of text has at most, for a first look at a long prompt (normal text: 3-5).
+_PROBE_CHARS_PER_TOKEN = 16
+
+
+def refuse_surely_too_long(tokenizer: Tokenizer, text: str, limit: int, param: str) -> None:
+    """A 400 for a text that cannot fit the context whatever its tokens, found without encoding it all: megabytes of
+    prompt took seconds of CPU on the pool every request's tokenization shares, for a refusal. Only what is sure is
+    refused, so a text that fits always reaches the exact rule (`check_fits`):
+    - a token stands for at most `max_token_bytes` of text, so a text over twice that many characters a token of the
+      context is too long (twice: a normalizer may join characters, as NFKC joins an accent to its letter);
+    - its first `_PROBE_CHARS_PER_TOKEN` characters a token of the context: the rest of a text cannot take away
+      more than the tokens where the look stopped, so more than twice the context there is too long."""
+    probe = text[: _PROBE_CHARS_PER_TOKEN * (limit + 64)]
+    if len(probe) == len(text):  # short enough to encode whole (nor is the vocabulary scanned for its longest token)
+        return
+    if len(text) > 2 * tokenizer.max_token_bytes * limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens; the {param} of {len(text)} "
+                       f"characters needs more, whatever its tokens", param, "context_length_exceeded")  # fmt: skip
+    seen = len(tokenizer.encode(probe, add_special_tokens=False))
+    if seen > 2 * limit + 64:
+        message = f"This model's maximum context length is {limit} tokens; the first {len(probe)} characters of "
+        raise APIError(400, f"{message}the {param} alone hold {seen}", param, "context_length_exceeded")
 
 
 def check_fits(prompt_len: int, need: int, limit: int, param: str) -> None:

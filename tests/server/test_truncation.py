@@ -140,3 +140,50 @@ def test_completion_truncate_prompt_tokens(servers):
     # Chat has no such parameter (its policy is the server's flag).
     r = srv.http.post("/v1/chat/completions", json={"messages": [LAST], "truncate_prompt_tokens": 5})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+
+
+def _punctuation(n: int) -> str:
+    marks = "!#$%&()*+,-./:;<=>?@[]^_{|}~"
+    return "".join(marks[(i * 7 + i // 5) % len(marks)] for i in range(n))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("chars", "says"), [(2_000_000, "whatever its tokens"), (40_000, "alone hold")])
+def test_a_prompt_surely_over_the_context_is_refused_unread(servers, tokenizer, monkeypatch, path, chars, says):
+    """Megabytes of prompt were encoded whole before the context rule refused them: seconds of CPU on the pool every
+    request's tokenization shares. Now a text longer than the longest tokens could fit, or whose first part alone
+    holds twice the context, is refused having encoded at most that part."""
+    seen = []
+    encode = type(tokenizer).encode
+    monkeypatch.setattr(
+        type(tokenizer), "encode", lambda self, text, *a, **k: seen.append(len(text)) or encode(self, text, *a, **k)
+    )
+    text = _punctuation(chars)
+    body = {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+    err = _context_error(
+        servers["off"].http.post(path, json={**body, "max_tokens": 4}),
+        "prompt" if "messages" not in body else "messages",
+    )
+    assert says in err["message"], err
+    assert max(seen, default=0) <= 16 * (LIMIT + 64), seen  # never the whole text
+    # Under a truncation rule any text may fit: it is encoded and truncated as before.
+    if path == "/v1/completions":
+        r = servers["off"].http.post(
+            path, json={"prompt": text[:20_000], "max_tokens": 4, "truncate_prompt_tokens": -1}
+        )
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == LIMIT - 4, r.text
+
+
+def test_refusing_unread_never_refuses_a_text_that_fits(tokenizer):
+    """Texts of the longest tokens, of spaces and of ordinary words, each just within the context, pass."""
+    from jaxinfer.server.errors import APIError
+    from jaxinfer.server.truncation import refuse_surely_too_long
+
+    longest = max(range(tokenizer.vocab_size), key=lambda i: len(tokenizer.token_bytes(i)))
+    for unit in (tokenizer.token_bytes(longest).decode("utf-8", "replace"), " " * 64, "harbour lights ", "é"):
+        text = unit
+        while len(tokenizer.encode(text + unit, add_special_tokens=False)) <= LIMIT:
+            text += unit
+        refuse_surely_too_long(tokenizer, text, LIMIT, "prompt")  # fits: not refused
+    with pytest.raises(APIError, match="whatever its tokens"):
+        refuse_surely_too_long(tokenizer, "a" * (2 * tokenizer.max_token_bytes * LIMIT + 1), LIMIT, "prompt")
