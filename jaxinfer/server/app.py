@@ -85,7 +85,7 @@ def _api_routes() -> APIRouter:
             "owned_by": "jaxinfer",
             "root": ctx.args.model,
             "parent": None,
-            "max_model_len": ctx.state.max_model_len,
+            "max_model_len": ctx.context_tokens,  # what a request may use: less than the setting when the pool is
         }  # fmt: skip
 
     @router.get("/v1/models")

@@ -36,7 +36,7 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
         ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     return {
         "count": len(ids),
-        "max_model_len": ctx.state.max_model_len,
+        "max_model_len": ctx.context_tokens,  # as /v1/models: the limit requests are held to
         "tokens": ids,
         "token_strs": [tk.id_to_token(i) for i in ids] if req.return_token_strs else None,
     }

@@ -127,6 +127,20 @@ def test_a_whole_response_is_built_off_the_event_loop(make_server, monkeypatch, 
         assert answer.result().status_code == 200
 
 
+def test_a_pool_smaller_than_the_context_is_the_limit_reported(make_server):
+    """--num-kv-tokens 300 under --max-model-len 512: requests are held to 300 tokens, and /v1/models and /tokenize
+    said 512."""
+    gate = threading.Event()
+    srv = make_server(load_gate=gate)
+    srv.engine.runner.num_kv_tokens = 300
+    gate.set()
+    srv.wait_ready()
+    assert srv.http.get("/v1/models").json()["data"][0]["max_model_len"] == 300
+    assert srv.http.post("/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 300
+    r = srv.http.post("/v1/completions", json={**BODY, "prompt": [5] * 290, "max_tokens": 20})
+    assert r.status_code == 400 and "maximum context length is 300 tokens" in r.json()["error"]["message"], r.text
+
+
 def test_load_failure_stops_the_server(make_server):
     srv = make_server(fail_load=True)
     srv.thread.join(30)
