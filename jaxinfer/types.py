@@ -159,7 +159,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None:  # the upper bound is the engine's max_logprobs (Engine.validate)
-                count(name, 0)
+                _check(is_int(v) and 0 <= v <= INT32_MAX, name, f"must be a number of top tokens >= 0 (None: no "
+                       f"logprobs), got {v!r}")  # fmt: skip
 
     @property
     def greedy(self) -> bool:

@@ -49,6 +49,8 @@ CASES = [
     ("prompt over context", C, _completion(prompt="hello " * 700), 400, "prompt"),
     ("token id out of vocab", C, _completion(prompt=[1, 10_000_000]), 400, "prompt"),
     ("logprobs over max", C, _completion(logprobs=21), 400, "logprobs"),
+    ("logprobs negative", C, _completion(logprobs=-1), 400, "logprobs"),
+    ("chat: top_logprobs negative", CHAT, _chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs"),
     ("bad logit_bias key", C, _completion(logit_bias={"abc": 1}), 400, "logit_bias"),
     ("logit_bias id out of vocab", C, _completion(logit_bias={"99999999": 1}), 400, "logit_bias"),
     ("seed past 64 bits", C, _completion(seed=2**64), 400, "seed"),  # -1 and other int64 seeds are valid (OpenAI)
@@ -153,6 +155,8 @@ def test_bad_request(http, name, path, body, status, param):
     if name in ("best_of", "suffix", "prompt_logprobs", "chat: tools", "chat: json mode", "chat: image part",
                 "chat: tool calls in history", "chat: a tool's result", "chat: a refusal part"):  # fmt: skip
         assert "not supported" in err["message"]
+    if "negative" in name:  # the bound is the server's max_logprobs, not the int32 range it was said as
+        assert ">= 0" in err["message"] and "2147483647" not in err["message"], err
     if name == "chat: a tool's result":
         assert "'tool' messages" in err["message"] and "tool calling" in err["message"], err
     if name == "chat: min_tokens over max_completion_tokens":  # the client's name, also inside the message
