@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.chat import create_chat_completion
@@ -121,6 +122,20 @@ def _api_routes() -> APIRouter:
     return router
 
 
+class _CORS(CORSMiddleware):
+    """Starlette's CORS, whose refused preflight (an origin --allowed-origins does not list) is an error in
+    OpenAI's shape like every other answer, not its plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        answer = super().preflight_response(request_headers)
+        if answer.status_code != 400:
+            return answer
+        refused = APIError(400, f"{answer.body.decode()} for this server (--allowed-origins)", code="cors_refused")
+        response = refused.response()
+        response.headers.update({k: v for k, v in answer.headers.items() if k.lower().startswith("access-control-")})
+        return response
+
+
 def build_app(
     args: ServerArgs, loader: Loader | None = None, tracer_provider: Any = None, engine: MPAsyncEngine | None = None
 ) -> FastAPI:
@@ -155,7 +170,7 @@ def build_app(
     install_handlers(app, on_error=on_error)
     app.add_middleware(EdgeHeaders, ctx=ctx)  # inside CORS, which answers preflights before any route
     if args.allowed_origins:  # browsers' preflight (OPTIONS) and CORS headers, before the API-key check
-        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
+        app.add_middleware(_CORS, allow_origins=args.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])  # fmt: skip
     app.include_router(_open_routes())
     app.include_router(_api_routes())

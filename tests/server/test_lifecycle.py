@@ -141,6 +141,25 @@ def test_a_pool_smaller_than_the_context_is_the_limit_reported(make_server):
     assert r.status_code == 400 and "maximum context length is 300 tokens" in r.json()["error"]["message"], r.text
 
 
+def test_allowed_origins_narrow_cors_and_a_refused_preflight_is_json(make_server):
+    """--allowed-origins ORIGIN answers that origin's preflights, refuses others' in OpenAI's shape (it was
+    Starlette's plain text), and with no origin at all the server sends no CORS header."""
+    srv = make_server(allowed_origins=["https://app.example"])
+    srv.wait_ready()
+    ask = {"Access-Control-Request-Method": "POST"}
+    ok = srv.http.options("/v1/completions", headers={"Origin": "https://app.example", **ask})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+    refused = srv.http.options("/v1/completions", headers={"Origin": "https://evil.example", **ask})
+    assert refused.status_code == 400 and refused.headers["content-type"] == "application/json"
+    assert refused.json()["error"]["code"] == "cors_refused" and "origin" in refused.json()["error"]["message"]
+    r = srv.http.post("/v1/completions", json=BODY, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers  # the browser refuses it
+    off = make_server(allowed_origins=[])
+    off.wait_ready()
+    r = off.http.post("/v1/completions", json=BODY, headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_load_failure_stops_the_server(make_server):
     srv = make_server(fail_load=True)
     srv.thread.join(30)
