@@ -193,8 +193,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="generate offline for a batch of prompts",
         description="Offline batch generation with the `LLM` API (paged engine, continuous batching).",
     )
-    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat the flag for a batch")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", action="append", help="a prompt; repeat the flag for a batch")
+    given.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help="prompts, one a line ('-': standard input); a line that is a JSON object is {\"prompt\": TEXT}, "
+        '{"prompt_token_ids": [...]} or {"messages": [...]} (a conversation)',
+    )
     p.add_argument("--n", type=int, default=1, help="answers per prompt")
+    p.add_argument(
+        "--output-json",
+        metavar="FILE",
+        help="write the results as JSON Lines, one object a prompt in order ('-': standard output), instead of text",
+    )
     p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -216,6 +228,7 @@ def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
     except ValueError as e:  # checked before the model loads, and named as argparse names a bad flag
         print(f"{PROG} generate: error: {e}", file=sys.stderr)
         return 2
+    prompts = _read_prompts(ns)  # before the model loads: a bad file is named at once
     settings = dataclasses.asdict(EngineArgs.from_mapping(vars(ns)))
     with LLM(settings.pop("model"), **settings) as llm:
         # The flags given, over the model's generation config (--generation-config): as the server fills a request.
@@ -224,19 +237,82 @@ def _generate(ns: argparse.Namespace, rest: list[str]) -> int:
             fields["temperature"] = 0.0
         sp = dataclasses.replace(llm.get_default_sampling_params(), **fields)
         chat = llm.tokenizer.chat_template is not None if ns.chat is None else ns.chat
+        labels = [_label(p) for p in prompts]
+        prompts = [{"messages": [{"role": "user", "content": p["prompt"]}]} if chat and set(p) == {"prompt"} else p
+                   for p in prompts]  # fmt: skip
         # A prompt's own problem (too long, no chat template) is a ValueError: main names it in one line.
-        if chat:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], sp)
-        else:
-            outs = llm.generate(ns.prompt, sp)
-    for prompt, out in zip(ns.prompt, outs, strict=True):
-        print(f"### {prompt}")
+        convs = [i for i, p in enumerate(prompts) if "messages" in p]
+        outs: list = [None] * len(prompts)
+        if convs:
+            for i, out in zip(convs, llm.chat([prompts[i]["messages"] for i in convs], sp), strict=True):
+                outs[i] = out
+        rest = [i for i in range(len(prompts)) if outs[i] is None]
+        if rest:
+            for i, out in zip(rest, llm.generate([prompts[i] for i in rest], sp), strict=True):
+                outs[i] = out
+    if ns.output_json is not None:
+        _write_json_lines(ns.output_json, outs)
+        return 0
+    for label, out in zip(labels, outs, strict=True):
+        print(f"### {label}")
         for c in out.outputs:
             if len(out.outputs) > 1:  # --n: each answer under its own line, so multi-line answers stay apart
                 print(f"## answer {c.index + 1}")
             print(c.text)
         print()
     return 0
+
+
+def _read_prompts(ns: argparse.Namespace) -> list[dict]:
+    """The prompts, each as LLM.generate takes a dict ({"prompt"} or {"prompt_token_ids"}) or {"messages"}."""
+    if ns.prompt is not None:
+        return [{"prompt": p} for p in ns.prompt]
+    if ns.prompts_file == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        lines = Path(ns.prompts_file).read_text(encoding="utf-8").splitlines()  # OSError: main names it
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            prompts.append({"prompt": line})
+            continue
+        where = f"{ns.prompts_file}:{n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e})") from None
+        keys = set(item) if isinstance(item, dict) else set()
+        if keys not in ({"prompt"}, {"prompt_token_ids"}, {"prompt", "prompt_token_ids"}, {"messages"}):
+            raise ValueError(f"{where}: expected {{\"prompt\": ...}}, {{\"prompt_token_ids\": [...]}} or "
+                             f"{{\"messages\": [...]}}, got {line.strip()[:80]}")  # fmt: skip
+        prompts.append(item)
+    if not prompts:
+        raise ValueError(f"{ns.prompts_file}: no prompts")
+    return prompts
+
+
+def _label(prompt: dict) -> object:
+    """What the text output heads a prompt's answers with: its text, its ids, or a conversation's last message."""
+    if "messages" not in prompt:
+        return prompt.get("prompt", prompt.get("prompt_token_ids"))
+    last = prompt["messages"][-1] if isinstance(prompt["messages"], list) and prompt["messages"] else None
+    return last.get("content") if isinstance(last, dict) else "(a conversation)"
+
+
+def _write_json_lines(path: str, outs: list) -> None:
+    rows = (json.dumps({
+        "prompt": out.prompt,
+        "prompt_token_ids": out.prompt_token_ids,
+        "outputs": [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason} for c in out.outputs],
+    }, ensure_ascii=False) for out in outs)  # fmt: skip
+    if path == "-":
+        sys.stdout.writelines(row + "\n" for row in rows)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(row + "\n" for row in rows)
 
 
 # ---------------------------------------------------------------------------------------------- chat / complete

@@ -133,6 +133,40 @@ def test_generate_prints_what_llm_generates(tiny_model, capsys):
     assert err.startswith("jaxinfer generate: ValueError: prompt:") and len(err.strip().splitlines()) == 1, err
 
 
+def test_generate_reads_a_prompts_file_and_writes_json_lines(tiny_model, tmp_path, capsys, monkeypatch):
+    """--prompts-file: text lines, and JSON lines holding a prompt, token ids or a conversation (each through the
+    chat template, whatever --chat says); --output-json: one object a prompt, in the file's order, as LLM gives."""
+    import io
+
+    from jaxinfer import LLM, SamplingParams
+    from tests.tiny_model import SETTINGS, settings_flags
+
+    ids = [504, 3458, 314]
+    convo = [{"role": "user", "content": "Name a colour."}]
+    lines = ["Hello there", "", json.dumps({"prompt_token_ids": ids}), json.dumps({"messages": convo}),
+             json.dumps({"prompt": "line one\nline two"})]  # fmt: skip
+    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    flags = ["generate", "--model", tiny_model, "--no-chat", "--max-tokens", "5", *settings_flags()]
+    assert main([*flags, "--prompts-file", str(tmp_path / "prompts.jsonl"), "--output-json", "-"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    g = SamplingParams(max_tokens=5, temperature=0)
+    with LLM(tiny_model, **SETTINGS) as llm:
+        refs = llm.generate(["Hello there", {"prompt_token_ids": ids}], g, use_tqdm=False)
+        refs.insert(2, llm.chat(convo, g, use_tqdm=False)[0])
+        refs += llm.generate(["line one\nline two"], g, use_tqdm=False)
+    assert [r["outputs"][0]["token_ids"] for r in rows] == [list(r.outputs[0].token_ids) for r in refs]
+    assert [r["prompt_token_ids"] for r in rows] == [list(r.prompt_token_ids) for r in refs]
+    assert rows[0]["prompt"] == "Hello there" and rows[0]["outputs"][0]["finish_reason"] in ("length", "stop")
+    # Standard input, and the text output heads each answer with its prompt.
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n"))
+    assert main([*flags, "--prompts-file", "-"]) == 0
+    assert capsys.readouterr().out == f"### Hello there\n{refs[0].outputs[0].text}\n\n"
+    # A line that is not a prompt is named by file and line, before the model loads.
+    (tmp_path / "bad.jsonl").write_text('Hi\n{"text": "x"}\n')
+    assert main([*flags, "--prompts-file", str(tmp_path / "bad.jsonl")]) == 1
+    assert "bad.jsonl:2: expected" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("gen", "flags", "want"),
     [
