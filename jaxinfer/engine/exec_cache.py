@@ -45,7 +45,8 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when the file layout below changes (2: format 1 entries may hold incomplete executables)
+FORMAT = 3  # bump when the file layout below changes (2: format 1 entries may hold incomplete executables;
+# 3: entries name the devices their executable runs on)
 SUBDIR = "jaxinfer-exec"
 VERSION_CHARS = 16
 KEEP_OTHER_VERSIONS = 1  # besides this version's folder: a downgrade or a switched checkout still starts warm
@@ -211,16 +212,23 @@ class ExecutableCache:
     @staticmethod
     def _load(path: Path, key: str) -> Callable:
         with path.open("rb") as f:
-            stored_key, payload, in_tree, out_tree = pickle.load(f)
+            stored_key, payload, in_tree, out_tree, device_ids = pickle.load(f)
         if stored_key != key:  # a renamed or colliding file: never run a program built for something else
             raise ValueError("key mismatch")
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        # The devices it was compiled for, in its order: left out, jax loads it onto every local device, and a step
+        # of one device (or one replica's mesh) in a process that sees more failed at its first call, or XLA aborted
+        # the process (a sharding of 3 tiles on 8 devices). The key holds the device ids already.
+        devices = {d.id: d for d in jax.local_devices()}
+        return serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree, execution_devices=[devices[i] for i in device_ids]
+        )
 
     def _store(self, path: Path, key: str, fn: Any) -> None:
         """Atomic: a concurrent reader sees the old file, the new one, or none; never a partial one."""
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(fn)
-            data = pickle.dumps((key, payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            device_ids = [d.id for d in fn.runtime_executable().local_devices()]
+            data = pickle.dumps((key, payload, in_tree, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL)
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=path.name, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:

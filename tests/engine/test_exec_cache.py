@@ -21,8 +21,10 @@ from jaxinfer.engine.exec_cache import ExecutableCache, entry_key
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _child(cache_dir: Path, norm_eps: float = 1e-6, defer: bool = False) -> tuple[dict, str]:
+def _child(cache_dir: Path, norm_eps: float = 1e-6, defer: bool = False, devices: int = 1) -> tuple[dict, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    if devices > 1:  # the engine runs on one of them
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     env.pop("JAXINFER_EXEC_CACHE", None)
     cmd = [sys.executable, "-m", "tests.engine.exec_cache_child", str(cache_dir), str(norm_eps)]
     cmd += ["defer"] if defer else []
@@ -51,6 +53,16 @@ def test_fresh_process_loads_steps_without_compiling(cold):
     warm, _ = _child(cache_dir)
     assert warm["step_compiles"] == 0  # no backend compile (nor persistent-cache read) for any step
     assert warm["loaded"] == first["compiled"] and warm["compiled"] == 0
+    assert warm["tokens"] == first["tokens"]
+
+
+def test_a_process_that_sees_more_devices_than_its_steps_loads_them(tmp_path):
+    """An engine on one device of two (or a replica's mesh among eight): its loaded steps ran on every local device,
+    and failed at the first call ("Expected args to execute_sharded_on_local_devices to have 2 shards") or XLA
+    aborted the process. Each entry now names its devices."""
+    first, _ = _child(tmp_path, devices=2)
+    warm, _ = _child(tmp_path, devices=2)
+    assert warm["loaded"] == first["compiled"] > 0 and warm["compiled"] == 0
     assert warm["tokens"] == first["tokens"]
 
 
