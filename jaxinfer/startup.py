@@ -94,7 +94,7 @@ def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s:
         ("model", f"{model} ({cfg.arch}, {cfg.num_layers} layers, {params / 1e6:.0f}M parameters)"),
         ("dtype", str(cfg.dtype)),
         ("backend", f"{jax.default_backend()}: {len(devices)} device(s), {', '.join(kinds)}"),
-        ("mesh", f"{mesh_text}; {len(replicas)} replica(s)"),
+        ("mesh", f"{mesh_text}" + (f" per replica; {len(replicas)} replicas" if len(replicas) > 1 else "")),
         ("attention", f"{attention_kernels(runner)}; layers {runner.layer_loop}"),
         (
             "KV cache",

@@ -75,8 +75,12 @@ class Engine:
             )
         if cache.max_logprobs > cfg.vocab_size:
             raise ValueError(f"max_logprobs: {cache.max_logprobs} exceeds the vocabulary size {cfg.vocab_size}")
-        self.cfg, self.cc = cfg, cache
         self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh, donate_params)
+        if self.runner.num_kv_tokens < cache.max_model_len:
+            # A sequence holds no more than the whole pool: that is the context every check, stop rule and the
+            # scheduler use (a request let up to max_model_len preempted itself at the pool's end, forever).
+            cache = dataclasses.replace(cache, max_model_len=self.runner.num_kv_tokens)
+        self.cfg, self.cc = cfg, cache
         self.allocator = PageAllocator(self.runner.num_pages, cache.block_size, cache.enable_prefix_caching)
         pin_cap = cache.session_cache_pages if cache.session_cache_pages is not None else self.runner.num_pages // 4
         self.sessions = SessionStore(self.allocator, min(pin_cap, self.runner.num_pages), cache.session_ttl)
@@ -237,16 +241,16 @@ class Engine:
             raise ValueError("prompt: needs at least one token")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be in [0, {self.cfg.vocab_size})")
-        if len(prompt) >= self.cc.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt)} tokens leave no room to generate in the maximum context length "
-                f"{self.cc.max_model_len}"
-            )
-        max_tokens = resolved_max_tokens(params, len(prompt), self.cc.max_model_len)
-        if len(prompt) + max_tokens > self.cc.max_model_len:
+        context = self.cc.max_model_len
+        limit = f"{context} (the KV pool's size)" if context == self.runner.num_kv_tokens else f"{context}"
+        if len(prompt) >= context:
+            raise ValueError(f"prompt: {len(prompt)} tokens leave no room to generate in the maximum context length "
+                             f"{limit}")  # fmt: skip
+        max_tokens = resolved_max_tokens(params, len(prompt), context)
+        if len(prompt) + max_tokens > context:
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
-                f"context length {self.cc.max_model_len}"
+                f"context length {limit}"
             )
         if self.allocator.pages_for(len(prompt) + max_tokens) > self.allocator.num_pages:
             raise ValueError(

@@ -108,7 +108,7 @@ def test_bad_requests_are_rejected(smol):
         eng.add_request([], GREEDY)
     with pytest.raises(ValueError, match="maximum context"):
         eng.add_request([1] * 120, SamplingParams(max_tokens=20))
-    with pytest.raises(ValueError, match="pool holds"):
+    with pytest.raises(ValueError, match="context length 64 \\(the KV pool's size\\)"):
         eng.add_request([1] * 60, SamplingParams(max_tokens=20))
     with pytest.raises(ValueError, match="token ids"):
         eng.add_request([cfg.vocab_size], GREEDY)
