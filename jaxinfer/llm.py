@@ -119,7 +119,7 @@ class LLM:
             )
         # Validate everything before queueing anything, so a bad prompt does not leave the others half-submitted.
         items = []
-        context = self.engine.cc.max_model_len
+        context = self.engine.largest().cc.max_model_len  # or the KV pool's size, where that is smaller
         for p, sp in zip(prompts, plist, strict=True):
             text, ids = self._prompt_ids(p)
             if sp.max_tokens is not None and len(ids) < context:
@@ -154,11 +154,14 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, through the model's chat template. A message is
         {"role", "content"}: text, or OpenAI's content parts of type "text". `continue_final_message=True` (with
         `add_generation_prompt=False`) continues the last message instead of answering it, as vLLM's; the
-        template's variables in `chat_template_kwargs` win over the arguments of the same name, as in vLLM."""
+        template's variables in `chat_template_kwargs` win over the arguments of the same name, as in vLLM.
+        `chat_template`: Jinja text rendering these conversations instead of the model's; given to `LLM(...,
+        chat_template=...)` instead, its end-of-turn marker also becomes a stop token."""
         if not isinstance(messages, list | tuple) or not messages:
             raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
         convs = [messages] if isinstance(messages[0], dict) else messages
@@ -167,9 +170,10 @@ class LLM:
             "continue_final_message": continue_final_message,
             **(chat_template_kwargs or {}),
         }
+        tokenizer = self.tokenizer if chat_template is None else self.tokenizer.with_chat_template(chat_template)
         prompts = []
         for i, conv in enumerate(convs):
-            text = self.tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 _conversation(conv, f"messages[{i}]" if len(convs) > 1 else "messages"), **template_kwargs
             )
             # The template already holds BOS where the model wants it.

@@ -12,6 +12,7 @@ same files; tests/test_tokenizer.py checks that. transformers itself is not used
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -401,8 +402,8 @@ class Tokenizer:
                              "turn: set add_generation_prompt=False with it")  # fmt: skip
         if self.chat_template is None:
             raise ChatTemplateError(
-                "this model has no chat template (none in its GGUF metadata / tokenizer files); "
-                "format the prompt yourself or load a tokenizer that ships one"
+                "this model has no chat template (none in its GGUF metadata / tokenizer files); format the prompt "
+                "yourself, or give one (LLM(..., chat_template=...), serve.py --chat-template FILE)"
             )
         template = _compile_chat_template(self.chat_template)
         variables: dict[str, Any] = {
@@ -418,6 +419,16 @@ class Tokenizer:
         variables.update(_plain(kwargs))
         text = template.render(messages=_plain(messages), add_generation_prompt=add_generation_prompt, **variables)
         return _cut_after_final_message(text, messages) if continue_final_message else text
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A copy that renders chats with `template` (Jinja text) instead of the model's: vLLM's --chat-template, for
+        a base model without one or another format. Its end-of-turn marker (`<end_of_turn>`, `<|im_end|>`, ...)
+        joins the stop ids, as the model's own template's does. ChatTemplateError when it does not compile."""
+        _compile_chat_template(template)  # a syntax error now, not at the first chat request
+        new = copy.copy(self)
+        new.chat_template = template
+        new.eos_token_ids = _dedupe([*self.eos_token_ids, *new._template_end_of_turn_ids()])
+        return new
 
     def _template_end_of_turn_ids(self) -> list[int]:
         if not self.chat_template:
@@ -506,7 +517,7 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from e
 
 
 def _plain(value: Any) -> Any:

@@ -547,3 +547,28 @@ def test_tokenizer_gguf_of_a_model_gguf_is_the_same_tokenizer(which, tmp_path):
         b.add_bos_token,
         b.vocab_size,
     )
+
+
+GEMMA_STYLE = """{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}
+{{ m.content | trim }}<end_of_turn>
+{% endfor %}{% if add_generation_prompt %}<start_of_turn>model
+{% endif %}"""
+
+
+def test_a_chat_template_given_for_a_base_model_renders_and_stops_at_its_end_of_turn() -> None:
+    """Gemma 3 270M base ships no chat template: --chat-template / LLM(chat_template=...) gives one, and its
+    end-of-turn marker joins the stop ids, as the model's own template's would."""
+    from jaxinfer.tokenizer import ChatTemplateError
+
+    base = _ours("gemma3")
+    if base.chat_template is not None:
+        pytest.skip("this Gemma 3 GGUF ships a chat template")
+    with pytest.raises(ChatTemplateError, match="no chat template.*chat_template=|no chat template.*--chat-template"):
+        base.apply_chat_template([{"role": "user", "content": "Hi"}])
+    chat = base.with_chat_template(GEMMA_STYLE)
+    assert chat.apply_chat_template([{"role": "user", "content": " Hi "}]).endswith(
+        "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert 106 in chat.eos_token_ids and 106 not in base.eos_token_ids and base.chat_template is None
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        base.with_chat_template("{% for m in messages %}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 import jax
 from flax import nnx
@@ -38,6 +39,7 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
     follow jaxinfer.model.protocol raises naming the missing part."""
     t0 = time.perf_counter()
     check_device(args.device)
+    template = read_chat_template(args.chat_template) if args.chat_template is not None else None  # before loading
     if args.enable_compilation_cache:
         # A second start then restores the compiled steps instead of compiling them again.
         enable_compilation_cache(args.compilation_cache_dir)
@@ -53,6 +55,8 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
         meta = read_model_config(args.model, args.dtype)
         _prepare_kernels(args.attn_impl, meta, cache_config(args, meta))
     cfg, params, tokenizer = _load(args.model, args.tokenizer, args.dtype, mesh, dp)
+    if template is not None:  # before the engine takes the stop ids: its end-of-turn marker joins them
+        tokenizer = tokenizer.with_chat_template(template)
     cache = cache_config(args, cfg)
     eos = tokenizer.eos_token_ids
     if dp > 1:
@@ -79,6 +83,16 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
             e.runner.timeline = StepTimeline(max_steps=TIMELINE_WINDOW)
     log.info("model %s loaded in %.1fs", args.model, time.perf_counter() - t0)
     return engine, tokenizer
+
+
+def read_chat_template(given: str) -> str:
+    """--chat-template's value: a file's text, or the template itself (vLLM tells them apart the same way)."""
+    path = Path(given).expanduser()
+    if "{" not in given and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{%" in given or "{{" in given:
+        return given
+    raise ValueError(f"chat_template: {given!r} is neither a file nor a Jinja template")
 
 
 def _prepare_kernels(attn_impl: str | None, meta: ModelConfig, cache: CacheConfig) -> None:

@@ -98,6 +98,8 @@ class EngineArgs:
 
     model: Any = DEFAULT_MODEL
     tokenizer: Any = None
+    # A Jinja chat template, or a path to a file holding one, used instead of the model's (vLLM's --chat-template).
+    chat_template: str | None = None
     # "auto": float32 on CPU, the checkpoint's half precision (or bfloat16) on GPU/TPU; the KV cache follows it.
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"

@@ -119,6 +119,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tokenizer", default=D.tokenizer,
                    help="model name or path to read the tokenizer from (default: the model's own)")  # fmt: skip
+    p.add_argument("--chat-template", default=D.chat_template, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template, or a file holding one, instead of the model's (a base model has "
+                   "none) (default: the model's)")  # fmt: skip
     p.add_argument(
         "--dtype",
         default=D.dtype,

@@ -629,3 +629,44 @@ def test_an_async_engine_nobody_holds_is_collected_with_its_engine(tiny):
         assert time.monotonic() < deadline, "an AsyncEngine nobody holds kept its engine (or its thread ran on)"
         gc.collect()
         time.sleep(0.05)
+
+
+def test_a_pool_smaller_than_the_context_is_the_context(tmp_path, caplog):
+    """num_kv_tokens below max_model_len: a sequence holds at most the pool, so LLM.generate stops a request there
+    ("length"), as at the context length, instead of refusing it for max_tokens; max_tokens=None fills the pool; a
+    prompt the pool cannot hold is named as the prompt's problem; the start-up log says the limit."""
+    from tests.tiny_model import SETTINGS, write_tiny_model
+
+    write_tiny_model(tmp_path)
+    settings = {**SETTINGS, "num_kv_tokens": 128}  # max_model_len 256
+    with caplog.at_level("WARNING"), LLM(str(tmp_path), **settings) as llm:
+        assert "the KV pool holds 128 tokens, fewer than max_model_len 256" in caplog.text
+        prompt = list(range(100, 220))  # 120 tokens: 8 of room
+        out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+        out = llm.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 8
+        with pytest.raises(ValueError, match="prompt: 130 tokens leave no room .* maximum context length 128"):
+            llm.generate([list(range(100, 230))], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_a_chat_template_given_at_construction_or_per_call(tmp_path):
+    """LLM(chat_template=...) (serve.py --chat-template: text or a file) renders every chat with it; LLM.chat's
+    chat_template= renders that call's; neither a file nor a template is refused before the model loads."""
+    from jaxinfer.engine.build import read_chat_template
+    from tests.tiny_model import SETTINGS, write_tiny_model
+
+    template = (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    (tmp_path / "t.jinja").write_text(template)
+    assert read_chat_template(str(tmp_path / "t.jinja")) == template == read_chat_template(template)
+    with pytest.raises(ValueError, match="chat_template: .* neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    write_tiny_model(tmp_path / "m")
+    g = SamplingParams(max_tokens=2, temperature=0)
+    convo = [{"role": "user", "content": "Hi"}]
+    with LLM(str(tmp_path / "m"), chat_template=str(tmp_path / "t.jinja"), **SETTINGS) as llm:
+        assert llm.chat(convo, g, use_tqdm=False)[0].prompt == "[user] Hi\n>"
+        other = "{% for m in messages %}{{ m.content }}|{% endfor %}"
+        assert llm.chat(convo, g, use_tqdm=False, chat_template=other)[0].prompt == "Hi|"
