@@ -66,7 +66,8 @@ class DataParallelEngine:
             )  # fmt: skip
             for i, m in enumerate(meshes)
         ]
-        self.cfg, self.cc = cfg, self.replicas[0].cc
+        # The largest replica's: a replica's context is its pool's size where that is below max_model_len.
+        self.cfg, self.cc = cfg, self.largest().cc
         self.sampling_defaults: dict[str, float | int] = {}  # as Engine's
         self.driver: object | None = None  # as Engine's
         self._owner: dict[str, Engine] = {}

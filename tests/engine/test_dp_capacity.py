@@ -38,11 +38,12 @@ def test_unequal_replicas_route_by_capacity(monkeypatch):
     )
     eng = DataParallelEngine(cfg, params, mesh, cc, eos_token_ids=())
     assert [e.allocator.num_pages for e in eng.replicas] == [6, 24]
+    assert [e.cc.max_model_len for e in eng.replicas] == [48, 192] and eng.cc.max_model_len == 192  # pool-bound
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     small, large = eng.add_request([1, 2, 3], sp), eng.add_request(list(range(1, 90)) + [5] * 60, sp)
     assert eng._owner[large] is eng.replicas[1]  # 169 tokens: only replica 1 holds them, whatever the load
     # A request that fits no replica: a clear error (the largest replica's), nothing queued.
-    with pytest.raises(ValueError, match="^max_tokens: .*pool holds 192"):
+    with pytest.raises(ValueError, match="^max_tokens: .*context length 192 \\(the KV pool's size\\)"):
         eng.add_request([1] * 150, SamplingParams(max_tokens=45))
     done = {}
     while eng.has_unfinished():
