@@ -144,8 +144,6 @@ def engine_facts(engine: Any, tokenizer: Any) -> dict:
         # A user module's own ModelConfig subclass: the API side reads only the base fields (and imports no module).
         "config": {k: v for k, v in first.cfg.to_dict().items() if k in _CONFIG_FIELDS},
         "cache": dataclasses.asdict(first.cc),
-        "num_pages": first.allocator.num_pages,
-        "page_size": first.allocator.page_size,
         "num_kv_tokens": first.runner.num_kv_tokens,
         "eos_token_ids": list(first.eos_token_ids),
         "max_model_len": engine.cc.max_model_len,

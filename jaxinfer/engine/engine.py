@@ -78,7 +78,11 @@ class Engine:
         self.runner = ModelRunner(cfg, params, cache, attn_impl, mesh, donate_params)
         if self.runner.num_kv_tokens < cache.max_model_len:
             # A sequence holds no more than the whole pool: that is the context every check, stop rule and the
-            # scheduler use (a request let up to max_model_len preempted itself at the pool's end, forever).
+            # scheduler use (a request let up to max_model_len preempted itself at the pool's end, forever). So a
+            # request that fits the context fits the pool, and `validate` needs no check of its own for that.
+            log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a sequence holds at most %d "
+                        "(raise --kv-cache-memory or lower --max-model-len)", self.runner.num_kv_tokens,
+                        cache.max_model_len, self.runner.num_kv_tokens)  # fmt: skip
             cache = dataclasses.replace(cache, max_model_len=self.runner.num_kv_tokens)
         self.cfg, self.cc = cfg, cache
         self.allocator = PageAllocator(self.runner.num_pages, cache.block_size, cache.enable_prefix_caching)
@@ -251,11 +255,6 @@ class Engine:
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
                 f"context length {limit}"
-            )
-        if self.allocator.pages_for(len(prompt) + max_tokens) > self.allocator.num_pages:
-            raise ValueError(
-                f"max_tokens: the request needs {len(prompt) + max_tokens} tokens of KV cache; the pool holds "
-                f"{self.runner.num_kv_tokens}"
             )
         if params.logprobs is not None and params.logprobs > self.cc.max_logprobs:
             raise ValueError(f"logprobs: at most {self.cc.max_logprobs} are supported, got {params.logprobs}")

@@ -81,23 +81,15 @@ class _Validator:
     validation code (same checks, same messages), without a model."""
 
     def __init__(self, facts: dict):
-        from jaxinfer.cache.pages import PageAllocator
         from jaxinfer.config import ModelConfig
         from jaxinfer.engine.config import CacheConfig
         from jaxinfer.engine.engine import Engine
-
-        class _Pool:
-            pages_for = PageAllocator.pages_for
-
-            def __init__(self, num_pages: int, page_size: int):
-                self.num_pages, self.page_size = num_pages, page_size
 
         class _Runner:
             num_kv_tokens = facts["num_kv_tokens"]
 
         self.cfg = ModelConfig.from_dict(facts["config"])
         self.cc = CacheConfig(**facts["cache"])
-        self.allocator = _Pool(facts["num_pages"], facts["page_size"])
         self.runner = _Runner()
         self.eos_token_ids = tuple(facts["eos_token_ids"])
         self._validate = Engine.validate

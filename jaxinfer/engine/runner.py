@@ -339,10 +339,6 @@ class ModelRunner:
             self.num_pages * cache.block_size * kv_bytes_per_token(cfg, cache.kv_cache_dtype) / 2**20,
             cache.max_num_seqs, cache.max_model_len, sized.reason,
         )  # fmt: skip
-        if self.num_kv_tokens < cache.max_model_len:  # a sequence can hold no more than the whole pool
-            log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: a sequence holds at most %d "
-                        "(raise --kv-cache-memory or lower --max-model-len)", self.num_kv_tokens, cache.max_model_len,
-                        self.num_kv_tokens)  # fmt: skip
         self._log_startup(kv_dtype.name)
 
     def _log_startup(self, kv_dtype: str) -> None:
