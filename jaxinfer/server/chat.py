@@ -50,14 +50,12 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 def apply_template(tokenizer: Tokenizer, convo: list[dict], kwargs: dict[str, Any]) -> str:
     """`kwargs`: the template's flags and variables (`protocol.template_kwargs`)."""
-    if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt", True):
-        raise bad_request("continue_final_message goes on with the last message and add_generation_prompt opens a "
-                          "new turn: set add_generation_prompt to false with it", "continue_final_message")  # fmt: skip
     try:
         return tokenizer.apply_chat_template(convo, **kwargs)
     except (ChatTemplateError, jinja2.TemplateError) as e:
         raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
-    except ValueError as e:  # a variable named messages; continue_final_message without text to continue
+    except ValueError as e:  # a variable named messages; continue_final_message with add_generation_prompt, or
+        # without a text to continue (the tokenizer's own checks)
         raise bad_request(
             str(e), "chat_template_kwargs" if "messages" in kwargs else "continue_final_message"
         ) from None
