@@ -31,6 +31,10 @@ CASES = [
     (256, 8, 2, 8, 0, 30.0),  # soft-cap (Gemma 2)
     (256, 4, 1, 16, 0, None),  # Gemma 3 270M's heads at the engine's page size
     (64, 4, 2, 16, 20, 5.0),  # both
+    # The specialized head dim (64) at the engine's page size, across item shapes:
+    (64, 32, 4, 16, 0, None),  # 32 rows an item (eight passes of four rows)
+    (64, 16, 1, 16, 40, None),  # a group of 16 on one KV head; the window starts inside a page
+    (64, 6, 6, 16, 0, None),  # no GQA: one row a head
 ]
 
 
@@ -50,6 +54,15 @@ def test_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, windo
     ref = jax.jit(lambda *a: reference.paged_decode_attention(*a, **opts))(*case.args())
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(out[0])), "a length-0 row is exactly zero"
+
+
+@pytest.mark.parametrize("hq,hkv,window", [(9, 3, 0), (32, 4, 0), (8, 2, 100)])
+def test_decode_items_of_one_kv_head_match_the_oracle(hq, hkv, window):
+    """Two long decodes on two threads: each item is one KV head of one token (the kernel's split when there are
+    fewer decodes than two a thread), windowed or not."""
+    case = make_decode_case(3, [3000, 16 * 190 + 9], num_q_heads=hq, num_kv_heads=hkv, head_dim=64, page_size=16)
+    opts = dict(scale=0.125, sliding_window=window, soft_cap=None)
+    np.testing.assert_allclose(np.asarray(_attend(case, **opts)), naive_decode(case, **opts), rtol=1e-5, atol=1e-5)
 
 
 # (q_len, context_len): chunks of several query blocks (BLOCK_Q = 16) over cached prefixes, a whole prompt, decodes,
