@@ -8,6 +8,9 @@ The head dim is a compile-time constant for 64, the default model's (`SPECIALIZE
 ran 10-15% faster than with the head dim read at run time. Every other size shares one handler that reads it from
 the operands (a constant 128 measured 8% slower on a batch-128 decode and 8% faster at batch 1; 256, no
 difference). Each handler compiles only when a model needs it: building both at once took 19.5 s on a new machine.
+
+Full 16-key pages of decode tokens at head dim 64 go through a few hundred lines of LLVM vector IR
+(`_page_function`) instead of the numba loops: see the comment above it. They add ~4 s to the 64 handler's build.
 """
 
 from __future__ import annotations
@@ -161,6 +164,213 @@ def _dim(head_dim, q):
     return head_dim if head_dim > 0 else q.shape[-1]
 
 
+# ---- a decode item's full page as LLVM vector IR (head dim 64, 16-key pages, no soft-cap) ----------------------------
+# The numba loops of _decode_item read a 128-row decode's live pages at ~14.5 GB/s, where a plain read of the same
+# pages streams ~25 and reading each key's K and V rows side by side ~32 (AVX2 EPYC, benchmarks/README.md): their
+# P.V read each key row of V in one strided piece per head, and their per-score horizontal sums kept them
+# compute-bound besides. This path reads page p's K rows beside page p - 1's V rows, key by key in memory order,
+# scores all of an item's rows at once with the rows in vector lanes (one transposing reduction per 8 rows), and
+# runs the online softmax on those lanes. A 128-row decode step: attention 1.27x, the step 1.07x (`ab_step`, paired).
+# It is emitted here, in this file, because numba's cache is keyed by this file's contents alone.
+
+_PAGE_LANES = 8  # float32 lanes of a vector: rows per chunk of scores
+_PAGE_D = 64  # the head dim the IR path is written for (the specialized handler's)
+_PAGE_SLOT = (_KEY_BLOCK + 1) * _PAGE_LANES  # one chunk's scratch: 16 score vectors, then the rescale factor
+_PAGE_FN = "jaxinfer_decode_page_d64"
+
+
+class _IRLoop:
+    """for i in range(start, stop) in IR: the body is what the builder emits between construction and close()."""
+
+    def __init__(self, b, fn, start, stop, name):
+        i64 = ir.IntType(64)
+        self.b, self.stop = b, stop
+        pre = b.block
+        self.body, self.after = fn.append_basic_block(name), fn.append_basic_block(name + "_end")
+        b.cbranch(b.icmp_signed("<", start, stop), self.body, self.after)
+        b.position_at_end(self.body)
+        self.i = b.phi(i64)
+        self.i.add_incoming(start, pre)
+
+    def close(self):
+        b = self.b
+        nxt = b.add(self.i, ir.Constant(self.i.type, 1))
+        self.i.add_incoming(nxt, b.block)
+        b.cbranch(b.icmp_signed("<", nxt, self.stop), self.body, self.after)
+        b.position_at_end(self.after)
+
+
+def _page_function(module):  # noqa: C901 (one straight IR emitter)
+    """Emits `void page(q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines,
+    key_stride, flags)` into the module (once); the pointers are f32*, koff i64*.
+
+    flags & 1: page k's Q.K (scores into `probs`, chunk-major: [chunk][key][lane]) and its online softmax (run_max,
+    run_sum and acc rescaled; the probabilities replace the scores). flags & 2: the previous page's P.V (v_prev, its
+    probabilities in `probs_prev`) into acc. Both run in one pass over the keys, K and V rows side by side.
+    q f32[rows, 64] scaled, acc f32[rows, 64]; run_max and run_sum f32[>= rows rounded up to 8]; koff: each row's KV
+    head offset in a key row (floats); lines: 64-byte lines of the next page's K rows to prefetch per key."""
+    fn = module.globals.get(_PAGE_FN)
+    if fn is not None:
+        return fn
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    v8, v8i = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+    fp, i8p = f32.as_pointer(), ir.IntType(8).as_pointer()
+    args = [fp, fp, fp, i64.as_pointer(), i64, fp, fp, fp, fp, fp, fp, i64, i64, i64]
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), _PAGE_FN)
+    fn.linkage = "internal"
+    q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines, ks, flags = fn.args
+    fma = module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(v8, [v8, v8, v8]))
+    vmax = module.declare_intrinsic("llvm.maxnum.v8f32", fnty=ir.FunctionType(v8, [v8, v8]))
+    vfloor = module.declare_intrinsic("llvm.floor.v8f32", fnty=ir.FunctionType(v8, [v8]))
+    prefetch = module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    fast = ("fast",)
+
+    def c64(x):
+        return ir.Constant(i64, x)
+
+    def c8(x):
+        return ir.Constant(v8, [x] * 8)
+
+    def shuf(x, y, idx):
+        return b.shuffle_vector(x, y, ir.Constant(v8i, idx))
+
+    def at(ptr, *offsets):
+        return b.gep(ptr, [offsets[0] if len(offsets) == 1 else b.add(*offsets)])
+
+    def vload(ptr):
+        return b.load(b.bitcast(ptr, v8.as_pointer()), align=4)
+
+    def vstore(x, ptr):
+        b.store(x, b.bitcast(ptr, v8.as_pointer()), align=4)
+
+    def splat(ptr):
+        x = b.insert_element(ir.Constant(v8, ir.Undefined), b.load(ptr), ir.Constant(i32, 0))
+        return shuf(x, x, [0] * 8)
+
+    def prefetch_l2(ptr):
+        b.call(prefetch, [b.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+
+    def vexp(x):  # _exp on 8 lanes
+        x = b.call(vmax, [x, c8(-87.0)], fastmath=fast)
+        n = b.call(vfloor, [b.fadd(b.fmul(x, c8(1.4426950408889634), flags=fast), c8(0.5), flags=fast)])
+        f = b.fsub(x, b.fmul(n, c8(0.693359375), flags=fast), flags=fast)
+        f = b.fadd(f, b.fmul(n, c8(2.12194440e-4), flags=fast), flags=fast)
+        p = c8(1.0 / 5040.0)
+        for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+            p = b.call(fma, [p, f, c8(c)])
+        bits = b.shl(b.add(b.fptosi(n, v8i), ir.Constant(v8i, [127] * 8)), ir.Constant(v8i, [23] * 8))
+        return b.fmul(p, b.bitcast(bits, v8), flags=fast)
+
+    def hadd(x, y):  # pairwise sums of x and y, per 128-bit half (vhaddps)
+        return b.fadd(shuf(x, y, [0, 2, 8, 10, 4, 6, 12, 14]), shuf(x, y, [1, 3, 9, 11, 5, 7, 13, 15]), flags=fast)
+
+    def lane_sums(vectors):  # up to 8 vectors -> one whose lane i is the sum of vectors[i]
+        x = vectors + [c8(0.0)] * (8 - len(vectors))
+        t = [hadd(x[0], x[1]), hadd(x[2], x[3]), hadd(x[4], x[5]), hadd(x[6], x[7])]
+        u0, u1 = hadd(t[0], t[1]), hadd(t[2], t[3])
+        return b.fadd(shuf(u0, u1, [0, 1, 2, 3, 8, 9, 10, 11]), shuf(u0, u1, [4, 5, 6, 7, 12, 13, 14, 15]), flags=fast)
+
+    def slot(r, extra):  # the scratch float of row r at float offset `extra` within its chunk's lane layout
+        return b.add(b.add(b.mul(b.sdiv(r, c64(8)), c64(_PAGE_SLOT)), extra), b.srem(r, c64(8)))
+
+    do_qk = b.icmp_signed("!=", b.and_(flags, c64(1)), c64(0))
+    do_pv = b.icmp_signed("!=", b.and_(flags, c64(2)), c64(0))
+    chunks = b.sdiv(b.add(rows, c64(7)), c64(8))
+    keys = _IRLoop(b, fn, c64(0), c64(_KEY_BLOCK), "key")
+    j = keys.i
+    jo = b.mul(j, ks)
+    with b.if_then(do_qk):
+        with b.if_else(b.icmp_signed("==", lines, c64(12))) as (three_heads, other):
+            with three_heads:  # the default model's item: 3 KV heads, 12 lines, unrolled
+                for x in range(12):
+                    prefetch_l2(at(k_next, jo, c64(16 * x)))
+            with other:
+                pf = _IRLoop(b, fn, c64(0), lines, "prefetch")
+                prefetch_l2(at(k_next, jo, b.mul(pf.i, c64(16))))
+                pf.close()
+        chunk = _IRLoop(b, fn, c64(0), chunks, "chunk")
+        r0 = b.mul(chunk.i, c64(8))
+        n = b.sub(rows, r0)
+        n = b.select(b.icmp_signed(">", n, c64(8)), c64(8), n)
+        dst = at(probs, b.mul(chunk.i, c64(_PAGE_SLOT)), b.mul(j, c64(8)))
+        done = fn.append_basic_block("qk_done")
+        switch = b.switch(n, done)
+        for count in range(1, 9):  # the chunk's row count, unrolled
+            block = fn.append_basic_block(f"qk{count}")
+            switch.add_case(c64(count), block)
+            b.position_at_end(block)
+            sums = []
+            for i in range(count):
+                row = b.add(r0, c64(i))
+                kr, qr = at(k, jo, b.load(at(koff, row))), at(q, b.mul(row, c64(_PAGE_D)))
+                # two accumulators: eight dependent FMAs would be latency-bound
+                a0 = b.fmul(vload(qr), vload(kr), flags=fast)
+                a1 = b.fmul(vload(at(qr, c64(8))), vload(at(kr, c64(8))), flags=fast)
+                for c in range(16, _PAGE_D, 16):
+                    a0 = b.call(fma, [vload(at(qr, c64(c))), vload(at(kr, c64(c))), a0])
+                    a1 = b.call(fma, [vload(at(qr, c64(c + 8))), vload(at(kr, c64(c + 8))), a1])
+                sums.append(b.fadd(a0, a1, flags=fast))
+            vstore(lane_sums(sums), dst)
+            b.branch(done)
+        b.position_at_end(done)
+        chunk.close()
+    with b.if_then(do_pv):  # acc[r] += p[r, j] * v_prev[j, head(r)]: the key's V row for all heads, in order
+        pv = _IRLoop(b, fn, c64(0), rows, "pv")
+        r = pv.i
+        p = splat(at(probs_prev, slot(r, b.mul(j, c64(8)))))
+        vr, ar = at(v_prev, jo, b.load(at(koff, r))), at(acc, b.mul(r, c64(_PAGE_D)))
+        for c in range(0, _PAGE_D, 8):
+            vstore(b.call(fma, [p, vload(at(vr, c64(c))), vload(at(ar, c64(c)))]), at(ar, c64(c)))
+        pv.close()
+    keys.close()
+    with b.if_then(do_qk):  # the page's online softmax, rows in lanes
+        chunk = _IRLoop(b, fn, c64(0), chunks, "softmax")
+        r0 = b.mul(chunk.i, c64(8))
+        base = at(probs, b.mul(chunk.i, c64(_PAGE_SLOT)))
+        scores = [vload(at(base, c64(8 * jj))) for jj in range(_KEY_BLOCK)]
+        m_old = vload(at(run_max, r0))
+        top = scores[0]
+        for s in scores[1:]:
+            top = b.call(vmax, [top, s], fastmath=fast)
+        m_new = b.call(vmax, [m_old, top], fastmath=fast)
+        total = None
+        for jj, s in enumerate(scores):
+            e = vexp(b.fsub(s, m_new, flags=fast))
+            vstore(e, at(base, c64(8 * jj)))
+            total = e if total is None else b.fadd(total, e, flags=fast)
+        corr = vexp(b.fsub(m_old, m_new, flags=fast))  # 1 where the max holds; ~0 on the first page
+        vstore(corr, at(base, c64(8 * _KEY_BLOCK)))
+        vstore(m_new, at(run_max, r0))
+        vstore(b.call(fma, [vload(at(run_sum, r0)), corr, total]), at(run_sum, r0))
+        chunk.close()
+        rescale = _IRLoop(b, fn, c64(0), rows, "rescale")
+        r = rescale.i
+        c_r = splat(at(probs, slot(r, c64(8 * _KEY_BLOCK))))
+        ar = at(acc, b.mul(r, c64(_PAGE_D)))
+        for c in range(0, _PAGE_D, 8):
+            vstore(b.fmul(vload(at(ar, c64(c))), c_r, flags=fast), at(ar, c64(c)))
+        rescale.close()
+    b.ret_void()
+    return fn
+
+
+@intrinsic
+def _decode_page(typingctx, q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines, ks,
+                 flags):  # fmt: skip
+    """Calls `_page_function` (emitted into the caller's module once). The arrays as addresses (`a.ctypes.data`)."""
+    sig = types.void(*([types.uintp] * 4), types.int64, *([types.uintp] * 6), types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        fn = _page_function(builder.module)
+        types_ = fn.function_type.args
+        builder.call(fn, [builder.inttoptr(x, t) if isinstance(t, ir.PointerType) else x
+                          for x, t in zip(args, types_, strict=True)])  # fmt: skip
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(fastmath=True, nogil=True, cache=True)
 def _prefill_item(q, k, v, table, rows_pos, head, out, scale, window, cap, scores, head_dim):
     """Query rows of one sequence and one KV head: q f32[R, head_dim] (R = tokens x group heads, token-major),
@@ -219,10 +429,24 @@ def _pass_rows(r0, end, pad):
             r0 + 3 if r0 + 3 < end else pad + 3)  # fmt: skip
 
 
+@njit(fastmath=True, inline="always")
+def _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes, lines, ks):
+    """The pending page's P.V alone (_decode_page with flags 2)."""
+    prev = probs.ctypes.data + held * half * 4
+    _decode_page(q.ctypes.data, k.ctypes.data, v.ctypes.data + pending * row_bytes + base, koff.ctypes.data,
+                 np.int64(rows), acc.ctypes.data, run_max.ctypes.data, run_sum.ctypes.data, prev, prev,
+                 k.ctypes.data, np.int64(0), ks, np.int64(2))  # fmt: skip
+
+
 @njit(fastmath=True, nogil=True, cache=True)
-def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim):
+def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim, koff, probs):
     """One decode token's query rows for KV heads h0, h0 + 1, ...: q f32[rows, head_dim] (scaled; each KV head's
     `group` rows together), the token at position pos -> out f32[rows, head_dim].
+
+    Full pages of 16 keys at head dim 64 without soft-cap go through `_page_function` (the IR path): each call reads
+    page p's K rows beside page p - 1's V rows, so a page's P.V is pending until the next call (or a flush before a
+    page the loops below take, and at the end). koff i64[>= rows] and probs f32[>= 2 * ceil(rows / 8) * _PAGE_SLOT]
+    are its scratch; run_max and run_sum need rows rounded up to 8.
 
     One pass over the pages in order, each page's K rows then its V rows for all these heads (a page's K or V rows
     of consecutive heads are one contiguous block, read once), with an online softmax: a running max and sum per
@@ -237,9 +461,20 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
         out[:, :] = 0.0
         return
     acc[:rows, :] = 0.0
-    for r in range(rows):
+    for r in range((rows + 7) // 8 * 8):  # the IR path's lanes past the rows too
         run_max[r] = np.float32(-3.0e38)
         run_sum[r] = 0.0
+    ir_path = head_dim == _PAGE_D and page_size == _KEY_BLOCK and cap <= 0
+    num_kv_heads = k.shape[2]
+    for r in range(rows):
+        koff[r] = (r // group) * head_dim
+    key_stride = np.int64(num_kv_heads * head_dim)
+    lines = np.int64((rows // group) * head_dim // 16)  # the item's K rows of a key, in 64-byte lines
+    half = probs.shape[0] // 2  # two scratch buffers: this page's probabilities and the pending page's
+    pending = np.int64(-1)  # the page whose P.V is still to do
+    held = np.int64(0)  # the buffer holding its probabilities
+    base = h0 * head_dim * 4  # bytes from a page's first key row to the item's first head
+    row_bytes = page_size * key_stride * 4
     pad = rows  # past it, scratch rows for a pass's padding rows (_pass_rows)
     for pi in range(first // page_size, last // page_size + 1):
         page = min(max(table[pi], 0), num_pages - 1)  # a bad table entry must not read outside the pool
@@ -250,6 +485,19 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
         # attention ran 1.65x faster with it (spread over the keys; all lines at the page's start gained 1.15x).
         has_next = pi + 1 <= last // page_size
         nxt = min(max(table[pi + 1], 0), num_pages - 1) if has_next else page
+        if ir_path and n == _KEY_BLOCK:
+            _decode_page(q.ctypes.data, k.ctypes.data + page * row_bytes + base,
+                         v.ctypes.data + max(pending, 0) * row_bytes + base, koff.ctypes.data, np.int64(rows),
+                         acc.ctypes.data, run_max.ctypes.data, run_sum.ctypes.data,
+                         probs.ctypes.data + (1 - held) * half * 4, probs.ctypes.data + held * half * 4,
+                         k.ctypes.data + nxt * row_bytes + base, lines if has_next else np.int64(0), key_stride,
+                         np.int64(3 if pending >= 0 else 1))  # fmt: skip
+            pending, held = np.int64(page), 1 - held
+            continue
+        if pending >= 0:  # the loops below need acc complete
+            _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes,
+                        lines, key_stride)  # fmt: skip
+            pending = np.int64(-1)
         for j in range(j0, j1):
             jj = j - j0
             for hh in range(rows // group):
@@ -302,6 +550,9 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
                         r1, r2, r3 = _pass_rows(r0, end, pad)
                         c0, c1, c2, c3 = acc[r0], acc[r1], acc[r2], acc[r3]
                         _axpy4(c0, c1, c2, c3, s[r0, jj], s[r1, jj], s[r2, jj], s[r3, jj], val, head_dim)
+    if pending >= 0:
+        _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes, lines,
+                    key_stride)  # fmt: skip
     for r in range(rows):
         inv = np.float32(1.0) / run_sum[r]
         for d in range(head_dim):
@@ -389,8 +640,10 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
     qb = np.empty((rows_max, hd), np.float32)
     ob = np.empty((rows_max, hd), np.float32)
     pos = np.empty(rows_max, np.int64)
-    run_max = np.empty(rows_max, np.float32)
-    run_sum = np.empty(rows_max, np.float32)
+    run_max = np.empty(rows_max + _PAGE_LANES, np.float32)  # the IR path's lanes: rows rounded up to 8
+    run_sum = np.empty(rows_max + _PAGE_LANES, np.float32)
+    koff = np.empty(rows_max, np.int64)
+    probs = np.empty(2 * ((rows_max + _PAGE_LANES - 1) // _PAGE_LANES) * _PAGE_SLOT, np.float32)
     decode_splits = num_kv_heads // decode_heads
     decode_items = decodes * decode_splits
     for item in range(w, items, workers):
@@ -403,7 +656,7 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
                 for d in range(hd):
                     qb[r, d] = q[t, h0 * group + r, d] * scale
             _decode_item(qb[:rows], group, k, v, table[blk_seq[i]], blk_pos[i], h0, ob[:rows], window, cap, scores,
-                         acc, run_max, run_sum, head_dim)  # fmt: skip
+                         acc, run_max, run_sum, head_dim, koff, probs)  # fmt: skip
             for r in range(rows):
                 for d in range(hd):
                     out[t, h0 * group + r, d] = ob[r, d]
