@@ -281,14 +281,9 @@ def _page_function(module):  # noqa: C901 (one straight IR emitter)
     j = keys.i
     jo = b.mul(j, ks)
     with b.if_then(do_qk):
-        with b.if_else(b.icmp_signed("==", lines, c64(12))) as (three_heads, other):
-            with three_heads:  # the default model's item: 3 KV heads, 12 lines, unrolled
-                for x in range(12):
-                    prefetch_l2(at(k_next, jo, c64(16 * x)))
-            with other:
-                pf = _IRLoop(b, fn, c64(0), lines, "prefetch")
-                prefetch_l2(at(k_next, jo, b.mul(pf.i, c64(16))))
-                pf.close()
+        pf = _IRLoop(b, fn, c64(0), lines, "prefetch")
+        prefetch_l2(at(k_next, jo, b.mul(pf.i, c64(16))))
+        pf.close()
         chunk = _IRLoop(b, fn, c64(0), chunks, "chunk")
         r0 = b.mul(chunk.i, c64(8))
         n = b.sub(rows, r0)
@@ -430,7 +425,7 @@ def _pass_rows(r0, end, pad):
 
 
 @njit(fastmath=True, inline="always")
-def _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes, lines, ks):
+def _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes, ks):
     """The pending page's P.V alone (_decode_page with flags 2)."""
     prev = probs.ctypes.data + held * half * 4
     _decode_page(q.ctypes.data, k.ctypes.data, v.ctypes.data + pending * row_bytes + base, koff.ctypes.data,
@@ -496,7 +491,7 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
             continue
         if pending >= 0:  # the loops below need acc complete
             _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes,
-                        lines, key_stride)  # fmt: skip
+                        key_stride)  # fmt: skip
             pending = np.int64(-1)
         for j in range(j0, j1):
             jj = j - j0
@@ -551,7 +546,7 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
                         c0, c1, c2, c3 = acc[r0], acc[r1], acc[r2], acc[r3]
                         _axpy4(c0, c1, c2, c3, s[r0, jj], s[r1, jj], s[r2, jj], s[r3, jj], val, head_dim)
     if pending >= 0:
-        _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes, lines,
+        _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes,
                     key_stride)  # fmt: skip
     for r in range(rows):
         inv = np.float32(1.0) / run_sum[r]
