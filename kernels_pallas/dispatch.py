@@ -7,7 +7,7 @@ static options, so the choice is made at trace time and is safe inside ``jax.jit
 impl:
   None          -> by ``jax.default_backend()``: "gpu" -> "pallas_gpu", "tpu" -> "pallas_tpu", "cpu" -> "cpu",
                    else "reference"
-  "cpu"         -> the numba kernel through XLA's FFI (kernels_pallas/ragged_cpu.py; float32 pools), then the
+  "cpu"         -> the numba kernel through XLA's FFI (kernels_pallas/ragged_cpu.py; float32 or float16 pools), then the
                    blocked jnp path for XLA:CPU (kernels_pallas/cpu.py), then reference
   "cpu_jnp"     -> the blocked jnp path alone, then reference (to compare against the kernel)
   "pallas_gpu"  -> Triton Pallas kernel, then reference
@@ -122,15 +122,15 @@ def _resolve_impl(impl: str | None) -> str:
 
 def prepare(impl: str | None, model_shape: Callable[[], tuple[int, Any, Any]]) -> bool:
     """Starts, ahead of the first trace, what the kernel `impl` resolves to needs: on the CPU backend with float32
-    weights and pools, the numba kernel's build (`ragged_cpu.prebuild`), in a child process while the caller loads
-    the weights. `model_shape()` gives (head dim, dtype, KV dtype); it is called only where a kernel could build
-    ahead, so other backends read no config. True when something started. Decides nothing: the first trace picks
-    the kernel as ever, and finds its build done or registers a forwarder to it (`finish_builds`)."""
+    weights and float32 or float16 pools, the numba kernel's build (`ragged_cpu.prebuild`), in a child process while
+    the caller loads the weights. `model_shape()` gives (head dim, dtype, KV dtype); it is called only where a kernel
+    could build ahead, so other backends read no config. True when something started. Decides nothing: the first
+    trace picks the kernel as ever, and finds its build done or registers a forwarder to it (`finish_builds`)."""
     if jax.default_backend() != "cpu" or _resolve_impl(impl) != "cpu":
         return False
     head_dim, dtype, kv_dtype = model_shape()
-    if jnp.dtype(dtype) == jnp.float32 and jnp.dtype(kv_dtype) == jnp.float32:
-        return ragged_cpu.prebuild(head_dim)
+    if jnp.dtype(dtype) == jnp.float32 and jnp.dtype(kv_dtype).name in ragged_cpu.POOL_DTYPES:
+        return ragged_cpu.prebuild(head_dim, jnp.dtype(kv_dtype).name)
     return False
 
 

@@ -11,6 +11,12 @@ difference). Each handler compiles only when a model needs it: building both at 
 
 Full 16-key pages of decode tokens at head dim 64 go through a few hundred lines of LLVM vector IR
 (`_page_function`) instead of the numba loops: see the comment above it. They add ~4 s to the 64 handler's build.
+
+Each handler exists for float32 and for float16 pools (the CPU default for a float32 model:
+jaxinfer.device.resolve_kv_cache_dtype). numba has no float16 on CPU, so a float16 pool is read as its bits
+(uint16) and every load of a K or V element widens it (`_kv`; F16C's vcvtph2ps once vectorized); queries,
+scores and accumulators stay float32. Reading half the bytes, a 128-row decode's attention ran 1.47x faster alone
+(30 layers' pools, cold) and 1.26x in the step (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -46,6 +52,21 @@ def _f32_from_bits(typingctx, bits):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _kv(typingctx, x):
+    """A pool element as float32: itself from a float32 pool; from a float16 pool (its bits, uint16: numba has no
+    float16 on CPU) the half converted, which LLVM vectorizes into F16C's vcvtph2ps on x86."""
+    if x == types.float32:
+        return types.float32(x), lambda context, builder, signature, args: args[0]
+    if x == types.uint16:
+
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(x), codegen
+    return None
 
 
 @intrinsic
@@ -127,7 +148,7 @@ def _dot4(q0, q1, q2, q3, key, head_dim):
     """Four query rows' dot products with one key: the key is loaded once."""
     a0 = a1 = a2 = a3 = np.float32(0.0)
     for d in range(head_dim):
-        kd = key[d]
+        kd = _kv(key[d])
         a0 += q0[d] * kd
         a1 += q1[d] * kd
         a2 += q2[d] * kd
@@ -139,7 +160,7 @@ def _dot4(q0, q1, q2, q3, key, head_dim):
 def _axpy4(c0, c1, c2, c3, w0, w1, w2, w3, val, head_dim):
     """c_i += w_i * val for four accumulator rows: the value row is loaded once."""
     for d in range(head_dim):
-        vd = val[d]
+        vd = _kv(val[d])
         c0[d] += w0 * vd
         c1[d] += w1 * vd
         c2[d] += w2 * vd
@@ -154,7 +175,7 @@ def _page_pv(o, w, w0, v, page, head, head_dim):
     for d in range(head_dim):
         x = np.float32(0.0)
         for j in range(_KEY_BLOCK):
-            x += w[w0 + j] * v[page, j, head, d]
+            x += w[w0 + j] * _kv(v[page, j, head, d])
         o[d] += x
 
 
@@ -200,23 +221,26 @@ class _IRLoop:
         b.position_at_end(self.after)
 
 
-def _page_function(module):  # noqa: C901 (one straight IR emitter)
+def _page_function(module, half: bool):  # noqa: C901 (one straight IR emitter)
     """Emits `void page(q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines,
-    key_stride, flags)` into the module (once); the pointers are f32*, koff i64*.
+    key_stride, flags)` into the module (once per pool dtype); the pointers are f32*, koff i64*, and k, v_prev and
+    k_next point into the pools: f16* (as i16*) when `half`.
 
     flags & 1: page k's Q.K (scores into `probs`, chunk-major: [chunk][key][lane]) and its online softmax (run_max,
     run_sum and acc rescaled; the probabilities replace the scores). flags & 2: the previous page's P.V (v_prev, its
     probabilities in `probs_prev`) into acc. Both run in one pass over the keys, K and V rows side by side.
     q f32[rows, 64] scaled, acc f32[rows, 64]; run_max and run_sum f32[>= rows rounded up to 8]; koff: each row's KV
-    head offset in a key row (floats); lines: 64-byte lines of the next page's K rows to prefetch per key."""
-    fn = module.globals.get(_PAGE_FN)
+    head offset in a key row (elements); lines: 64-byte lines of the next page's K rows to prefetch per key."""
+    name = _PAGE_FN + ("_f16" if half else "")
+    fn = module.globals.get(name)
     if fn is not None:
         return fn
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     v8, v8i = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
     fp, i8p = f32.as_pointer(), ir.IntType(8).as_pointer()
-    args = [fp, fp, fp, i64.as_pointer(), i64, fp, fp, fp, fp, fp, fp, i64, i64, i64]
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), _PAGE_FN)
+    pool = ir.IntType(16).as_pointer() if half else fp
+    args = [fp, pool, pool, i64.as_pointer(), i64, fp, fp, fp, fp, fp, pool, i64, i64, i64]
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
     fn.linkage = "internal"
     q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines, ks, flags = fn.args
     fma = module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(v8, [v8, v8, v8]))
@@ -240,6 +264,12 @@ def _page_function(module):  # noqa: C901 (one straight IR emitter)
 
     def vload(ptr):
         return b.load(b.bitcast(ptr, v8.as_pointer()), align=4)
+
+    def vload_kv(ptr):  # 8 pool elements as floats
+        if not half:
+            return vload(ptr)
+        h8 = b.load(b.bitcast(ptr, ir.VectorType(ir.IntType(16), 8).as_pointer()), align=2)
+        return b.fpext(b.bitcast(h8, ir.VectorType(ir.HalfType(), 8)), v8)
 
     def vstore(x, ptr):
         b.store(x, b.bitcast(ptr, v8.as_pointer()), align=4)
@@ -282,7 +312,7 @@ def _page_function(module):  # noqa: C901 (one straight IR emitter)
     jo = b.mul(j, ks)
     with b.if_then(do_qk):
         pf = _IRLoop(b, fn, c64(0), lines, "prefetch")
-        prefetch_l2(at(k_next, jo, b.mul(pf.i, c64(16))))
+        prefetch_l2(at(k_next, jo, b.mul(pf.i, c64(32 if half else 16))))  # a 64-byte line
         pf.close()
         chunk = _IRLoop(b, fn, c64(0), chunks, "chunk")
         r0 = b.mul(chunk.i, c64(8))
@@ -300,11 +330,11 @@ def _page_function(module):  # noqa: C901 (one straight IR emitter)
                 row = b.add(r0, c64(i))
                 kr, qr = at(k, jo, b.load(at(koff, row))), at(q, b.mul(row, c64(_PAGE_D)))
                 # two accumulators: eight dependent FMAs would be latency-bound
-                a0 = b.fmul(vload(qr), vload(kr), flags=fast)
-                a1 = b.fmul(vload(at(qr, c64(8))), vload(at(kr, c64(8))), flags=fast)
+                a0 = b.fmul(vload(qr), vload_kv(kr), flags=fast)
+                a1 = b.fmul(vload(at(qr, c64(8))), vload_kv(at(kr, c64(8))), flags=fast)
                 for c in range(16, _PAGE_D, 16):
-                    a0 = b.call(fma, [vload(at(qr, c64(c))), vload(at(kr, c64(c))), a0])
-                    a1 = b.call(fma, [vload(at(qr, c64(c + 8))), vload(at(kr, c64(c + 8))), a1])
+                    a0 = b.call(fma, [vload(at(qr, c64(c))), vload_kv(at(kr, c64(c))), a0])
+                    a1 = b.call(fma, [vload(at(qr, c64(c + 8))), vload_kv(at(kr, c64(c + 8))), a1])
                 sums.append(b.fadd(a0, a1, flags=fast))
             vstore(lane_sums(sums), dst)
             b.branch(done)
@@ -316,7 +346,7 @@ def _page_function(module):  # noqa: C901 (one straight IR emitter)
         p = splat(at(probs_prev, slot(r, b.mul(j, c64(8)))))
         vr, ar = at(v_prev, jo, b.load(at(koff, r))), at(acc, b.mul(r, c64(_PAGE_D)))
         for c in range(0, _PAGE_D, 8):
-            vstore(b.call(fma, [p, vload(at(vr, c64(c))), vload(at(ar, c64(c)))]), at(ar, c64(c)))
+            vstore(b.call(fma, [p, vload_kv(at(vr, c64(c))), vload(at(ar, c64(c)))]), at(ar, c64(c)))
         pv.close()
     keys.close()
     with b.if_then(do_qk):  # the page's online softmax, rows in lanes
@@ -351,16 +381,19 @@ def _page_function(module):  # noqa: C901 (one straight IR emitter)
 
 
 @intrinsic
-def _decode_page(typingctx, q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines, ks,
-                 flags):  # fmt: skip
-    """Calls `_page_function` (emitted into the caller's module once). The arrays as addresses (`a.ctypes.data`)."""
-    sig = types.void(*([types.uintp] * 4), types.int64, *([types.uintp] * 6), types.int64, types.int64, types.int64)
+def _decode_page(typingctx, pool, q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines,
+                 ks, flags):  # fmt: skip
+    """Calls `_page_function` (emitted into the caller's module once) for `pool`'s dtype (the K pool, for its type
+    only). The arrays as addresses (`a.ctypes.data`)."""
+    half = pool.dtype == types.uint16
+    sig = types.void(pool, *([types.uintp] * 4), types.int64, *([types.uintp] * 6), types.int64, types.int64,
+                     types.int64)  # fmt: skip
 
     def codegen(context, builder, signature, args):
-        fn = _page_function(builder.module)
+        fn = _page_function(builder.module, half)
         types_ = fn.function_type.args
         builder.call(fn, [builder.inttoptr(x, t) if isinstance(t, ir.PointerType) else x
-                          for x, t in zip(args, types_, strict=True)])  # fmt: skip
+                          for x, t in zip(args[1:], types_, strict=True)])  # fmt: skip
         return context.get_dummy_value()
 
     return sig, codegen
@@ -413,7 +446,7 @@ def _prefill_item(q, k, v, table, rows_pos, head, out, scale, window, cap, score
                 for r in range(rows):
                     w, o = scores[r, t0 + j], out[r]
                     for d in range(head_dim):
-                        o[d] += w * val[d]
+                        o[d] += w * _kv(val[d])
 
 
 @njit(fastmath=True, inline="always")
@@ -428,7 +461,7 @@ def _pass_rows(r0, end, pad):
 def _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes, ks):
     """The pending page's P.V alone (_decode_page with flags 2)."""
     prev = probs.ctypes.data + held * half * 4
-    _decode_page(q.ctypes.data, k.ctypes.data, v.ctypes.data + pending * row_bytes + base, koff.ctypes.data,
+    _decode_page(k, q.ctypes.data, k.ctypes.data, v.ctypes.data + pending * row_bytes + base, koff.ctypes.data,
                  np.int64(rows), acc.ctypes.data, run_max.ctypes.data, run_sum.ctypes.data, prev, prev,
                  k.ctypes.data, np.int64(0), ks, np.int64(2))  # fmt: skip
 
@@ -464,12 +497,12 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
     for r in range(rows):
         koff[r] = (r // group) * head_dim
     key_stride = np.int64(num_kv_heads * head_dim)
-    lines = np.int64((rows // group) * head_dim // 16)  # the item's K rows of a key, in 64-byte lines
+    lines = np.int64((rows // group) * head_dim * k.itemsize // 64)  # the item's K rows of a key, in 64-byte lines
     half = probs.shape[0] // 2  # two scratch buffers: this page's probabilities and the pending page's
     pending = np.int64(-1)  # the page whose P.V is still to do
     held = np.int64(0)  # the buffer holding its probabilities
-    base = h0 * head_dim * 4  # bytes from a page's first key row to the item's first head
-    row_bytes = page_size * key_stride * 4
+    base = h0 * head_dim * k.itemsize  # bytes from a page's first key row to the item's first head
+    row_bytes = page_size * key_stride * k.itemsize
     pad = rows  # past it, scratch rows for a pass's padding rows (_pass_rows)
     for pi in range(first // page_size, last // page_size + 1):
         page = min(max(table[pi], 0), num_pages - 1)  # a bad table entry must not read outside the pool
@@ -481,7 +514,7 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
         has_next = pi + 1 <= last // page_size
         nxt = min(max(table[pi + 1], 0), num_pages - 1) if has_next else page
         if ir_path and n == _KEY_BLOCK:
-            _decode_page(q.ctypes.data, k.ctypes.data + page * row_bytes + base,
+            _decode_page(k, q.ctypes.data, k.ctypes.data + page * row_bytes + base,
                          v.ctypes.data + max(pending, 0) * row_bytes + base, koff.ctypes.data, np.int64(rows),
                          acc.ctypes.data, run_max.ctypes.data, run_sum.ctypes.data,
                          probs.ctypes.data + (1 - held) * half * 4, probs.ctypes.data + held * half * 4,
@@ -498,7 +531,7 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
             for hh in range(rows // group):
                 if has_next:
                     line = ((nxt * page_size + j) * k.shape[2] + h0 + hh) * head_dim
-                    for x in range(0, head_dim, 16):  # 16 floats, a 64-byte line
+                    for x in range(0, head_dim, 64 // k.itemsize):  # a 64-byte line
                         _prefetch_l2(k, line + x)
                         _prefetch_l2(v, line + x)
                 key = k[page, j, h0 + hh]
@@ -673,10 +706,11 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
 
 
 @njit(fastmath=True, inline="always")
-def _handle(frame_ptr, head_dim):
-    """Operands: q f32[T, Hq, D], k and v f32[P, page, Hkv, D], page_table i32[S, W], context_lens i32[S],
-    query_start_loc i32[S + 1], num_seqs i32[1], settings f32[4] (scale, window, soft-cap, threads); result
-    f32[T, Hq, D] (declared f32[T, Hq * D] by the caller: the same bytes). head_dim: D as a constant, or 0."""
+def _handle(frame_ptr, head_dim, kv_dtype):
+    """Operands: q f32[T, Hq, D], k and v [P, page, Hkv, D] of float32 or float16 (kv_dtype: np.float32, or
+    np.uint16 for float16's bits), page_table i32[S, W], context_lens i32[S], query_start_loc i32[S + 1], num_seqs
+    i32[1], settings f32[4] (scale, window, soft-cap, threads); result f32[T, Hq, D] (declared f32[T, Hq * D] by the
+    caller: the same bytes). head_dim: D as a constant, or 0."""
     frame = carray(frame_ptr, (15,), dtype=np.int64)
     if answer_non_execute(frame):
         return null()
@@ -688,8 +722,8 @@ def _handle(frame_ptr, head_dim):
     max_seqs, width = dim(bt, 0), dim(bt, 1)
     pool = (num_pages, page_size, num_kv_heads, size)
     q = carray(data(bq), (num_tokens, num_q_heads, size), dtype=np.float32)
-    k = carray(data(bk), pool, dtype=np.float32)
-    v = carray(data(bv), pool, dtype=np.float32)
+    k = carray(data(bk), pool, dtype=kv_dtype)
+    v = carray(data(bv), pool, dtype=kv_dtype)
     table = carray(data(bt), (max_seqs, width), dtype=np.int32)
     context_lens = carray(data(bc), (max_seqs,), dtype=np.int32)
     query_start_loc = carray(data(bl), (max_seqs + 1,), dtype=np.int32)
@@ -701,19 +735,29 @@ def _handle(frame_ptr, head_dim):
     return null()
 
 
-# The handlers' Python functions, one per compile-time head dim; 0: any other head dim. The constant reaches the loops
-# because _handle and _attend are inlined here: passed as an argument into the parallel loop's body (the prange), it
-# would arrive as a run-time int64. Module-level functions, so that numba caches each handler under its own name.
+# The handlers' Python functions, one per compile-time head dim (0: any other head dim) and pool dtype. The constant
+# reaches the loops because _handle and _attend are inlined here: passed as an argument into the parallel loop's body
+# (the prange), it would arrive as a run-time int64. Module-level functions, so that numba caches each handler under
+# its own name.
 def _handle_d64(frame_ptr):
-    return _handle(frame_ptr, 64)
+    return _handle(frame_ptr, 64, np.float32)
 
 
 def _handle_any(frame_ptr):
-    return _handle(frame_ptr, np.int64(0))
+    return _handle(frame_ptr, np.int64(0), np.float32)
 
 
-_HANDLERS = {64: _handle_d64, 0: _handle_any}
-SPECIALIZED = tuple(d for d in _HANDLERS if d)
+def _handle_d64_f16(frame_ptr):
+    return _handle(frame_ptr, 64, np.uint16)
+
+
+def _handle_any_f16(frame_ptr):
+    return _handle(frame_ptr, np.int64(0), np.uint16)
+
+
+_HANDLERS = {(64, "float32"): _handle_d64, (0, "float32"): _handle_any, (64, "float16"): _handle_d64_f16,
+             (0, "float16"): _handle_any_f16}  # fmt: skip
+SPECIALIZED = tuple(sorted({d for d, _ in _HANDLERS if d}))
 
 
 def variant(head_dim: int) -> int:
@@ -724,13 +768,13 @@ def variant(head_dim: int) -> int:
 _SIGNATURE = types.voidptr(types.voidptr)  # XLA_FFI_Error* handler(XLA_FFI_CallFrame*)
 
 
-def handler(head_dim: int):
-    """The XLA FFI handler (a numba cfunc) for `variant(head_dim)`, compiled, or loaded from numba's cache. Its
-    caller keeps it (kernels_pallas.numba_ffi.register): XLA calls its machine code."""
-    return cfunc(_SIGNATURE, fastmath=True, parallel=True, cache=True)(_HANDLERS[variant(head_dim)])
+def handler(head_dim: int, kv_dtype: str = "float32"):
+    """The XLA FFI handler (a numba cfunc) for `variant(head_dim)` over `kv_dtype` pools, compiled, or loaded from
+    numba's cache. Its caller keeps it (kernels_pallas.numba_ffi.register): XLA calls its machine code."""
+    return cfunc(_SIGNATURE, fastmath=True, parallel=True, cache=True)(_HANDLERS[variant(head_dim), kv_dtype])
 
 
-def cached(head_dim: int) -> bool:
+def cached(head_dim: int, kv_dtype: str = "float32") -> bool:
     """Whether numba's cache holds `handler(head_dim)` for this machine and this source, so that it loads in about a
     second instead of building. Asks the cache's index the way the cfunc's own load does (numba's FunctionCache,
     keyed by signature, CPU name and features, and bytecode). Where numba's internals differ from the ones this
@@ -740,7 +784,7 @@ def cached(head_dim: int) -> bool:
     from numba.core.registry import cpu_target
 
     try:
-        cache = FunctionCache(_HANDLERS[variant(head_dim)])
+        cache = FunctionCache(_HANDLERS[variant(head_dim), kv_dtype])
         key = cache._index_key(_SIGNATURE, cpu_target.target_context.codegen())
         return key in cache._cache_file._load_index()
     except (AttributeError, TypeError, RuntimeError):

@@ -103,7 +103,10 @@ def _paged_attend(
             slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
         kp, vp = kernels_pallas.write_kv(kp, vp, k, v, slots)
         opts = dict(scale=cfg.scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap, impl=impl)
-        qk = q.astype(kp.dtype)  # a --kv-cache-dtype other than the model's: attend in the pool's dtype
+        # A --kv-cache-dtype other than the model's: attend in the pool's dtype, except float32 queries over a
+        # float16 pool on CPU, which the numba kernel reads as they are (it widens the pool's halves on load).
+        cpu_half = jax.default_backend() == "cpu" and q.dtype == jnp.float32 and kp.dtype == jnp.float16
+        qk = q if cpu_half else q.astype(kp.dtype)
         opts["num_kv_heads"] = k.shape[1]  # the pools are stored rows (per shard under tensor parallelism)
         if decode_only:
             out = kernels_pallas.paged_decode_attention(qk, kp, vp, table, ctx, **opts)

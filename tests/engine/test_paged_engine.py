@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -55,6 +56,26 @@ def test_paged_equals_contiguous(model, page_size, budget, max_seqs):
                      max_num_batched_tokens=budget)  # fmt: skip
     eng = Engine(cfg, params, cc)
     outs = eng.generate(prompts, GREEDY)
+    assert [o[0].output_token_ids for o in outs] == ref
+    assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_a_float16_pool_keeps_the_greedy_tokens(smol, caplog, monkeypatch):
+    """The CPU default pool for a float32 model: float16 K/V, read by the numba kernel (no fallback to jnp), gives
+    the float32 contiguous generator's greedy tokens on these prompts (chunked, straddling pages)."""
+    import jax.numpy as jnp
+
+    from kernels_pallas import dispatch
+
+    monkeypatch.setattr(dispatch, "_warned", set())  # a decline seen before would not be logged again
+    cfg, params, prompts, ref = smol
+    cc = CacheConfig(block_size=16, num_pages=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                     kv_cache_dtype="float16")  # fmt: skip
+    with caplog.at_level("WARNING", logger="kernels_pallas.dispatch"):
+        eng = Engine(cfg, params, cc)
+        assert {x.dtype for x in jax.tree.leaves(eng.runner.kv)} == {jnp.dtype(jnp.float16)}
+        outs = eng.generate(prompts, GREEDY)
+    assert "declined" not in caplog.text, "the numba kernel took the float16 pool"
     assert [o[0].output_token_ids for o in outs] == ref
     assert eng.allocator.num_free == eng.allocator.num_pages
 

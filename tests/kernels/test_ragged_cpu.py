@@ -42,27 +42,42 @@ def _attend(case, **opts):
     return jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, **opts))(*case.args())
 
 
+def _f32_queries(args: tuple) -> tuple:
+    """A case's operands with its queries as float32 (exact: they were rounded to the pool's dtype), as the engine
+    calls the kernel over a float16 pool."""
+    return (args[0].astype(jnp.float32), *args[1:])
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.float16])
 @pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap", CASES)
-def test_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap):
+def test_decode_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap, pool_dtype):
+    """Float16 pools too: the kernel widens the halves on load, and otherwise computes what it does in float32 (the
+    oracle sees the same rounded values)."""
     ps = page_size
     lengths = [0, 1, 2 * ps, 2 * ps + 3, ps - 1, 7 * ps + 5, 3]
-    case = make_decode_case(0, lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=ps)
+    case = make_decode_case(0, lengths, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=ps,
+                            dtype=pool_dtype)  # fmt: skip
     opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
-    out = _attend(case, **opts)
+    args = _f32_queries(case.args())
+    assert args[1].dtype == pool_dtype
+    out = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, **opts))(*args)
     assert out.shape == case.q.shape and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), naive_decode(case, **opts), rtol=1e-5, atol=1e-5)
-    ref = jax.jit(lambda *a: reference.paged_decode_attention(*a, **opts))(*case.args())
+    ref = jax.jit(lambda *a: reference.paged_decode_attention(*a, **opts))(*args)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(out[0])), "a length-0 row is exactly zero"
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.float16])
 @pytest.mark.parametrize("hq,hkv,window", [(9, 3, 0), (32, 4, 0), (8, 2, 100)])
-def test_decode_items_of_one_kv_head_match_the_oracle(hq, hkv, window):
+def test_decode_items_of_one_kv_head_match_the_oracle(hq, hkv, window, pool_dtype):
     """Two long decodes on two threads: each item is one KV head of one token (the kernel's split when there are
     fewer decodes than two a thread), windowed or not."""
-    case = make_decode_case(3, [3000, 16 * 190 + 9], num_q_heads=hq, num_kv_heads=hkv, head_dim=64, page_size=16)
+    case = make_decode_case(3, [3000, 16 * 190 + 9], num_q_heads=hq, num_kv_heads=hkv, head_dim=64, page_size=16,
+                            dtype=pool_dtype)  # fmt: skip
     opts = dict(scale=0.125, sliding_window=window, soft_cap=None)
-    np.testing.assert_allclose(np.asarray(_attend(case, **opts)), naive_decode(case, **opts), rtol=1e-5, atol=1e-5)
+    out = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, **opts))(*_f32_queries(case.args()))
+    np.testing.assert_allclose(np.asarray(out), naive_decode(case, **opts), rtol=1e-5, atol=1e-5)
 
 
 # (q_len, context_len): chunks of several query blocks (BLOCK_Q = 16) over cached prefixes, a whole prompt, decodes,
@@ -70,15 +85,17 @@ def test_decode_items_of_one_kv_head_match_the_oracle(hq, hkv, window):
 MIXED = [(40, 40), (5, 21), (1, 9), (1, 1), (17, 50), (0, 4), (33, 70), (1, 64)]
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.float16])
 @pytest.mark.parametrize("head_dim,hq,hkv,page_size,window,soft_cap", CASES)
-def test_mixed_step_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap):
+def test_mixed_step_matches_oracle_and_reference(head_dim, hq, hkv, page_size, window, soft_cap, pool_dtype):
     case = make_ragged_case(1, MIXED, max_seqs=len(MIXED) + 2, pad_tokens=3, num_q_heads=hq, num_kv_heads=hkv,
-                            head_dim=head_dim, page_size=page_size)  # fmt: skip
+                            head_dim=head_dim, page_size=page_size, dtype=pool_dtype)  # fmt: skip
     opts = dict(scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
-    out = jax.jit(lambda *a: ragged_cpu.ragged_paged_attention(*a, **opts))(*case.args())
+    args = _f32_queries(case.args())
+    out = jax.jit(lambda *a: ragged_cpu.ragged_paged_attention(*a, **opts))(*args)
     assert out.shape == case.q.shape and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), naive_ragged(case, **opts), rtol=1e-5, atol=1e-5)
-    ref = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **opts))(*case.args())
+    ref = jax.jit(lambda *a: reference.ragged_paged_attention(*a, **opts))(*args)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(out[-3:])), "padding tokens are exactly zero"
 
@@ -145,13 +162,15 @@ def test_ragged_cpu_thread_count_changes_no_bits(monkeypatch, threads):
     np.testing.assert_array_equal(np.asarray(_attend(case, scale=0.125)), base)
 
 
+@pytest.mark.parametrize("pool_dtype,suffix", [(jnp.float32, ""), (jnp.float16, "_f16")])
 @pytest.mark.parametrize("head_dim,handler", [(64, "_d64"), (128, "_any"), (32, "_any"), (256, "_any")])
-def test_head_dim_64_has_its_own_handler_and_the_others_share_one(head_dim, handler):
+def test_head_dim_64_has_its_own_handler_and_the_others_share_one(head_dim, handler, pool_dtype, suffix):
     """64 (the default model's) runs the handler compiled with it as a constant; every other head dim runs the one
-    that reads it from q. CASES covers both against the oracle."""
-    case = make_decode_case(7, [5, 20], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16)
-    hlo = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125)).lower(*case.args()).as_text()
-    assert f"@{ragged_cpu.TARGET}{handler}(" in hlo
+    that reads it from q; each pool dtype has its own pair. CASES covers all four against the oracle."""
+    case = make_decode_case(7, [5, 20], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16,
+                            dtype=pool_dtype)  # fmt: skip
+    fn = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125))
+    assert f"@{ragged_cpu.TARGET}{handler}{suffix}(" in fn.lower(*_f32_queries(case.args())).as_text()
 
 
 def test_threads_that_reach_a_target_together_build_and_register_it_once():
@@ -183,6 +202,12 @@ def test_ragged_cpu_declines_what_it_does_not_run():
     pages = jnp.zeros((8, 16, 2, 64), jnp.bfloat16)
     with pytest.raises(UnsupportedCase, match="float32"):
         ragged_cpu.check_supported(q, pages, pages)
+    with pytest.raises(UnsupportedCase, match="pools"):  # float32 queries, a bfloat16 pool
+        ragged_cpu.check_supported(q.astype(jnp.float32), pages, pages)
+    with pytest.raises(UnsupportedCase, match="of one dtype"):
+        ragged_cpu.check_supported(q.astype(jnp.float32), pages.astype(jnp.float16), pages.astype(jnp.float32))
+    with pytest.raises(UnsupportedCase, match="q is float16"):
+        ragged_cpu.check_supported(q.astype(jnp.float16), pages.astype(jnp.float16), pages.astype(jnp.float16))
     with pytest.raises(UnsupportedCase, match="multiple"):
         ragged_cpu.check_supported(jnp.zeros((2, 3, 64)), jnp.zeros((8, 16, 2, 64)), jnp.zeros((8, 16, 2, 64)))
 
@@ -207,7 +232,7 @@ def test_dispatcher_runs_the_kernel_for_both_ops_on_cpu(impl):
 
 def test_without_the_kernel_the_dispatcher_warns_once_and_uses_jnp(monkeypatch, caplog):
     """Where numba is missing or finds no thread-safe threading layer, the dispatcher says so once and runs jnp."""
-    monkeypatch.setattr(ragged_cpu, "unavailable", lambda head_dim: "numba is not installed")
+    monkeypatch.setattr(ragged_cpu, "unavailable", lambda head_dim, kv_dtype="float32": "numba is not installed")
     monkeypatch.setattr(dispatch, "_warned", set())
     case = make_decode_case(6, [3, 40], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
     opts = dict(scale=0.125, sliding_window=0, soft_cap=None)
