@@ -15,6 +15,7 @@ Variants (comma list; the first is the baseline):
 - `scan`, `unroll`: the other layer loop, in an engine of its own (its own weights and KV pool);
 - `separate_gate_up`: the scan with the MLP's gate and up kernels apart (`scanned.FUSE_GATE_UP` off, patched in
   while its engine is built), in an engine of its own;
+- `kv=DTYPE`: a KV pool of this dtype (`float16`, `float32`), in an engine of its own;
 - `no_attention`, `no_kv_write`, `argmax_sampler`: ablations, patched in at trace time: attention returns its
   queries, the K/V write leaves the pools as they are, the sampler is a plain argmax. What a part of the step
   costs is the baseline minus the ablation (an ablated step computes different tokens: timing only);
@@ -84,7 +85,7 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
             name, _, value = setting.partition("=")
             old = getattr(constants[module], name)  # AttributeError names an unknown constant
             changes.append((constants[module], name, type(old)(value)))
-        elif part not in ("default", *LOOPS):
+        elif part not in ("default", *LOOPS) and not part.startswith("kv="):
             raise ValueError(f"--variants: unknown part {part!r}")
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in changes]
     try:
@@ -107,14 +108,17 @@ def context_lengths(context: str, batch: int) -> list[int]:
     return np.random.default_rng(1).integers(int(lo), int(hi) + 1, batch).tolist()
 
 
-def recorded_step(loop: str, batch: int, context: str | int, shape: str | None) -> tuple[Any, dict]:
-    """An engine with this layer loop (the default model, or random weights at `shape`), `batch` rows decoding at
-    ~`context` tokens (see `context_lengths`), and its last decode step's recorded `paged_step` arguments."""
+def recorded_step(loop: str, batch: int, context: str | int, shape: str | None,
+                  kv_dtype: str | None = None) -> tuple[Any, dict]:  # fmt: skip
+    """An engine with this layer loop (the default model, or random weights at `shape`) and KV pool dtype (None: the
+    weights'), `batch` rows decoding at ~`context` tokens (see `context_lengths`), and its last decode step's
+    recorded `paged_step` arguments."""
     from jaxinfer.types import SamplingParams
 
     lengths = context_lengths(str(context), batch)
     longest = str(max(lengths))
     argv = ["--batch", str(batch), "--context", longest, "--layer-loop", loop, "--prefill-len", longest]
+    argv += ["--kv-cache-dtype", kv_dtype] if kv_dtype else []
     args = bench_latency.parse_args(argv + (["--shape", shape, "--dtype", "float32"] if shape else []))
     engine = bench_latency.build_engine(args)
     rng = np.random.default_rng(0)
@@ -181,10 +185,12 @@ def run_batch(batch: int, variants: list[str], args: argparse.Namespace) -> list
     for variant in variants:
         parts = variant.split("+")
         loop = next((p for p in parts if p in LOOPS), default_loop)
-        built_as = tuple(p for p in parts if p == "separate_gate_up")  # the parts that change the engine's build
+        # the parts that change the engine's build
+        built_as = tuple(p for p in parts if p == "separate_gate_up" or p.startswith("kv="))
         if (loop, *built_as) not in engines:
+            kv_dtype = next((p[3:] for p in built_as if p.startswith("kv=")), None)
             with patched(built_as):
-                engines[loop, *built_as] = recorded_step(loop, batch, args.context, args.shape)
+                engines[loop, *built_as] = recorded_step(loop, batch, args.context, args.shape, kv_dtype)
         runs.append(compiled_variant(*engines[loop, *built_as], parts)[0])
     for run in runs:  # warm: first calls touch fresh buffers
         run()

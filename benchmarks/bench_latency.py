@@ -75,7 +75,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         block_size=page, num_pages=pages + 4, max_model_len=max_len, max_num_seqs=max(args.batch),
         max_num_batched_tokens=max(*args.prefill_len, *args.batch),
         enable_prefix_caching=False,  # every timed prefill must compute its whole prompt
-        layer_loop=args.layer_loop,
+        layer_loop=args.layer_loop, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     # The plain loop: each timed step() runs and collects its own step (bench_host measures overlap scheduling).
     return recordable(Engine(cfg, params, cache, (), args.attn_impl, args.seed, overlap=False))
@@ -224,6 +224,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path (ignored with --shape)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="random weights at this shape instead of --model")
     p.add_argument("--dtype", help="weights/KV dtype (default float32 for --model, bfloat16 for --shape)")
+    p.add_argument("--kv-cache-dtype", help="the KV pool's dtype (default: the weights')")
     for flag, typ, text in [
         ("--prefill-len", str, "prompt lengths, one sequence per step (comma list)"),
         ("--batch", str, "decode batch sizes (comma list)"),

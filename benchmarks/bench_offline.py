@@ -54,6 +54,7 @@ from benchmarks.common import (
     random_params,
     shape_config,
 )
+from jaxinfer.device import KV_CACHE_DTYPES
 from jaxinfer.engine.config import LAYER_LOOPS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +77,7 @@ DEFAULTS_MODE: dict[str, Any] = dict(
 )  # fmt: skip
 MIXED = dict(min_prompt=16, max_prompt=256, output=128)
 # The engine settings --defaults still passes to LLM() when given explicitly: for an A/B against the defaults.
-AB_FLAGS = ("layer_loop", "max_num_seqs", "max_num_batched_tokens")
+AB_FLAGS = ("layer_loop", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype")
 QUICK_DEFAULTS: dict[str, Any] = dict(
     scale=32, num_requests=4, cells="256/128", cell_requests=64, max_num_seqs=4, max_num_batched_tokens=32,
     references="none",
@@ -243,6 +244,7 @@ def make_jaxinfer(args: argparse.Namespace, max_model_len: int) -> JaxEngine:
         max_num_batched_tokens=mnbt, block_size=args.block_size, num_kv_tokens=num_kv_tokens or None,
         gpu_memory_utilization=args.memory_fraction, seed=args.seed, attn_impl=args.attn_impl,
         **({"layer_loop": args.layer_loop} if args.layer_loop else {}),
+        **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}),
         )  # fmt: skip
 
     def generate_llm(reqs: list[Request], temperature: float) -> list[list[int]]:
@@ -540,6 +542,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--attn-impl", help="kernels_pallas impl for jaxinfer (default: the dispatcher's choice)")
     p.add_argument("--layer-loop", choices=LAYER_LOOPS,
                    help="jaxinfer's layer loop, for an A/B (default: the library's, also with --defaults)")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="jaxinfer's KV pool dtype, for an A/B (default: the library's, --defaults too)")  # fmt: skip
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="references: CPU threads")
     p.add_argument("--hf-batch-size", type=int, default=32, help="hf: requests per generate() call")
     p.add_argument("--llamacpp-seqs", type=int, default=64, help="llamacpp: concurrent sequences (n_seq_max)")
