@@ -230,6 +230,13 @@ class LLM:
             self.engine.step()
         self.engine.update_weights(model)
 
+    def reset_prefix_cache(self) -> None:
+        """Drops the KV cached for prompt prefixes (vLLM's `LLM.reset_prefix_cache`): the next `generate` computes
+        every prompt in full, as a timed run that repeats its prompts must."""
+        if self.engine is None:
+            raise RuntimeError("this LLM is closed")
+        self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         """Frees the weights, the KV pools and the compiled steps. The object cannot generate afterwards."""
         if self.engine is None:

@@ -91,6 +91,11 @@ class DataParallelEngine:
         for e, new in zip(self.replicas, news, strict=True):
             e.update_weights(new)
 
+    def reset_prefix_cache(self) -> None:
+        """`Engine.reset_prefix_cache` on every replica."""
+        for e in self.replicas:
+            e.reset_prefix_cache()
+
     def largest(self) -> Engine:
         """The replica with the largest KV pool: the one whose limits the API side checks first."""
         return max(self.replicas, key=lambda e: e.allocator.num_pages)

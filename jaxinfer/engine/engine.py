@@ -182,6 +182,12 @@ class Engine:
             raise RuntimeError("update_weights: requests are still running; update the weights between them")
         self.runner.update_weights(params)
         self.release_sessions()
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the KV cached for prompt prefixes, on the device and in the host tier (vLLM's
+        `reset_prefix_cache`): the next requests compute their prompts in full, as a benchmark's later rounds must.
+        Pinned sessions keep theirs (`release_sessions` lets them go)."""
         self.allocator.reset_prefix_cache()
         if self.host is not None:
             self.host.clear()

@@ -71,6 +71,18 @@ def test_seeded_sampling_ignores_batch(smol):
     assert alone == mixed == first
 
 
+def test_reset_prefix_cache_makes_the_next_generate_compute_its_prompt(smol):
+    """LLM.reset_prefix_cache (vLLM's): a repeated prompt's pages come from the prefix cache, and after the reset
+    they are computed again, giving the same tokens."""
+    prompt, sp = TEXTS[6] * 8, SamplingParams(max_tokens=3, temperature=0.0)
+    first = smol.generate(prompt, sp, use_tqdm=False)[0]
+    again = smol.generate(prompt, sp, use_tqdm=False)[0]
+    smol.reset_prefix_cache()
+    reset = smol.generate(prompt, sp, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and reset.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == reset.outputs[0].token_ids
+
+
 def test_n_samples_share_the_prompt(smol):
     sp = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=7)
     out = smol.generate(TEXTS[6] * 6, sp, use_tqdm=False)[0]

@@ -55,6 +55,10 @@ def test_first_token_carries_the_prefill_timeline(engine):
     # The same prompt again: 9 full pages (36 tokens) come from the prefix cache, one chunk computes the rest.
     warm = _first_updates(engine, "warm")[0].timing
     assert warm.num_cached_tokens == 36 and [c[2] for c in warm.prefill_chunks] == [4]
+    engine.reset_prefix_cache()  # a benchmark's next round: the prompt computes in full again
+    again = _first_updates(engine, "again")[0].timing
+    assert again.num_cached_tokens == 0 and [c[2] for c in again.prefill_chunks] == [16, 16, 8]
+    assert engine.allocator.num_free == engine.allocator.num_pages
 
 
 def test_timing_crosses_the_wire_and_lands_on_the_api_clock(engine):
@@ -93,6 +97,9 @@ def test_host_tier_hits_are_reported_per_request():
                  SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
     warm = _first_updates(eng, "warm")[0].timing
     assert warm.num_cached_tokens == 36 and warm.num_host_cached_tokens > 0
+    eng.reset_prefix_cache()  # the host tier's copies go too
+    again = _first_updates(eng, "again")[0].timing
+    assert again.num_cached_tokens == 0 and again.num_host_cached_tokens == 0
     assert warm.num_host_cached_tokens <= warm.num_cached_tokens
 
 
