@@ -77,18 +77,13 @@ _started: list[Child] = []
 def start_with_session(items: list[pytest.Item]) -> None:
     """Starts the child when the launcher test is among the collected ones (not in the child itself)."""
     if not CHILD and not _started and any(i.nodeid.startswith(LAUNCHER) for i in items):
-        # Both pytests and the servers their tests start load the CPU attention kernel's handlers (head dim 64, the
-        # default model's, and any other, the tiny test model's; each over float32 pools, the engine tests', and
-        # float16 ones, LLM()'s default on CPU). They are built here first: numba does not lock its cache, so processes
-        # that start before one is written each compile it (~10-25 s on 2 cores). Children build them side by side.
-        from kernels_pallas import numba_ffi, ragged_cpu
+        # Both pytests and the servers their tests start load the CPU attention kernel's two handlers (head dim 64, the
+        # default model's, and any other, the tiny test model's). They are built here first: numba does not lock its
+        # cache, so processes that start before one is written each compile it (~10 s on 2 cores).
+        from kernels_pallas import ragged_cpu
 
-        handlers = [(head_dim, kv) for head_dim in (64, 16) for kv in ragged_cpu.POOL_DTYPES]
-        for handler in handlers:
-            ragged_cpu.prebuild(*handler)
-        for handler in handlers:
-            ragged_cpu.unavailable(*handler)  # registers it, or a forwarder to a child still building it
-        numba_ffi.finish_builds()  # waits for those children, and loads what they built
+        for head_dim in (64, 16):
+            ragged_cpu.unavailable(head_dim)
         _started.append(start_child(FILES))
 
 
