@@ -99,6 +99,15 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str, backend
     return kv_cache_dtype
 
 
+def attention_query_dtype(model_dtype: str, kv_dtype: str, backend: str) -> str:
+    """The dtype queries attend in: the KV pool's (a --kv-cache-dtype other than the model's), except float32
+    queries over a float16 pool on CPU, which the numba kernel reads as they are (it widens the pool's halves on
+    load: kernels_pallas/ragged_cpu.py)."""
+    if backend == "cpu" and model_dtype == "float32" and kv_dtype == "float16":
+        return "float32"
+    return kv_dtype
+
+
 def describe_devices(mesh: jax.sharding.Mesh | None) -> str:
     import jax
 
@@ -115,7 +124,8 @@ def describe_attention(
     num_heads: int,  # query heads per model shard
     num_kv_heads: int,  # KV heads per model shard
     head_dim: int,
-    dtype: str,  # the KV pool's dtype (queries are cast to it)
+    dtype: str,  # the KV pool's dtype
+    query_dtype: str,  # the queries' (attention_query_dtype)
     num_pages: int,
     page_size: int,
     max_num_seqs: int,
@@ -134,7 +144,7 @@ def describe_attention(
         ("decode", decode_candidates(impl), max_num_seqs),
         ("mixed", ragged_candidates(impl), max_num_batched_tokens),
     ):
-        q = jax.ShapeDtypeStruct((tokens, num_heads, head_dim), dtype)
+        q = jax.ShapeDtypeStruct((tokens, num_heads, head_dim), query_dtype)
         table = jax.ShapeDtypeStruct((max_num_seqs, pages_per_seq), "int32")
         name, declined = explain(cands, (q, kv, kv, table))
         why = "".join(f"; {kernel} declined: {reason}" for kernel, reason in declined)

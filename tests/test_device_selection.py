@@ -211,9 +211,34 @@ def test_startup_attention_line_names_kernels_and_reasons():
     from jaxinfer.device import describe_attention
 
     # The default model's layout (9 query / 3 KV heads of 64) takes both TPU kernels at the engine's defaults.
-    line = describe_attention(9, 3, 64, "bfloat16", 20000, 16, 32, 256, "pallas_tpu", 256)
+    line = describe_attention(9, 3, 64, "bfloat16", "bfloat16", 20000, 16, 32, 256, "pallas_tpu", 256)
     assert line == "attention: decode pallas_tpu | mixed pallas_tpu"
     # 512 sequences of 32k tokens: the page table no longer fits SMEM, and the line says so.
-    line = describe_attention(9, 3, 64, "bfloat16", 20000, 16, 512, 1024, "pallas_tpu", 2048)
+    line = describe_attention(9, 3, 64, "bfloat16", "bfloat16", 20000, 16, 512, 1024, "pallas_tpu", 2048)
     assert line.startswith("attention: decode reference; pallas_tpu declined: SMEM")
     assert "mixed reference; pallas_tpu declined: SMEM" in line
+
+
+@pytest.mark.parametrize(
+    "model, kv, backend, query",
+    [("float32", "float16", "cpu", "float32"), ("float32", "float16", "gpu", "float16"),
+     ("float32", "bfloat16", "cpu", "bfloat16"), ("bfloat16", "float32", "cpu", "float32")],
+)  # fmt: skip
+def test_float32_queries_attend_over_a_float16_pool_on_cpu(model, kv, backend, query):
+    """The queries attend in the pool's dtype, except float32 ones over a float16 pool on CPU: the numba kernel
+    widens the pool's halves and keeps the queries' precision."""
+    from jaxinfer.device import attention_query_dtype
+
+    assert attention_query_dtype(model, kv, backend) == query
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel")
+def test_startup_attention_line_names_the_cpu_kernel_for_a_float16_pool():
+    """`--kv-cache-dtype float16` on CPU: the line names the numba kernel (asked with the queries' dtype, float32),
+    which also registers its handler before a warm start loads stored steps that call it."""
+    from jaxinfer.device import describe_attention
+    from kernels_pallas import numba_ffi, ragged_cpu
+
+    line = describe_attention(9, 3, 64, "float16", "float32", 2000, 16, 128, 512, None, 256)
+    assert line == "attention: decode cpu_numba | mixed cpu_numba"
+    assert numba_ffi.registered(ragged_cpu.target(64, "float16"))

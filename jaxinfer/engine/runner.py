@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 import kernels_pallas
 from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
+from jaxinfer.device import attention_query_dtype
 from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.exec_cache import ExecutableCache
 from jaxinfer.engine.kv_copy import PageCopier
@@ -103,10 +104,7 @@ def _paged_attend(
             slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
         kp, vp = kernels_pallas.write_kv(kp, vp, k, v, slots)
         opts = dict(scale=cfg.scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap, impl=impl)
-        # A --kv-cache-dtype other than the model's: attend in the pool's dtype, except float32 queries over a
-        # float16 pool on CPU, which the numba kernel reads as they are (it widens the pool's halves on load).
-        cpu_half = jax.default_backend() == "cpu" and q.dtype == jnp.float32 and kp.dtype == jnp.float16
-        qk = q if cpu_half else q.astype(kp.dtype)
+        qk = q.astype(attention_query_dtype(q.dtype.name, kp.dtype.name, jax.default_backend()))
         opts["num_kv_heads"] = k.shape[1]  # the pools are stored rows (per shard under tensor parallelism)
         if decode_only:
             out = kernels_pallas.paged_decode_attention(qk, kp, vp, table, ctx, **opts)
@@ -354,7 +352,8 @@ class ModelRunner:
         log.info(
             "%s",
             describe_attention(
-                self.cfg.num_heads // tp, self.cfg.num_kv_heads // tp, self.cfg.head_dim, kv_dtype, self.num_pages,
+                self.cfg.num_heads // tp, self.cfg.num_kv_heads // tp, self.cfg.head_dim, kv_dtype,
+                attention_query_dtype(self.cfg.dtype, kv_dtype, jax.default_backend()), self.num_pages,
                 self.cc.block_size, self.cc.max_num_seqs, self.cc.max_num_batched_tokens, self.attn_impl,
                 self.cc.pages_per_seq,
             ),
