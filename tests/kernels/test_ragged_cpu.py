@@ -129,18 +129,21 @@ def test_ragged_cpu_out_of_range_page_ids_never_read_outside_the_pool():
     assert out.shape == case.q.shape
 
 
-def test_ragged_cpu_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_ragged_cpu_rows_do_not_depend_on_the_batch(head_dim, pool_dtype):
     """Each row is computed alone: the same row gives the same bits alone (a small call, on the calling thread) and
-    in a batch (a large one, on numba's threads), and matches the oracle either way."""
+    in a batch (a large one, on numba's threads), and matches the oracle either way; on both handlers and pools."""
     from kernels_pallas import ragged_cpu_numba
 
     lengths = [370, 5, 640, 1, 1000, 170, 0, 800, 3000]
     assert sum(lengths) * 9 >= ragged_cpu_numba._SERIAL_WORK, "the batch must be large enough for the threads"
-    case = make_decode_case(3, lengths, num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16)
-    full = np.asarray(_attend(case, scale=0.125))
+    case = make_decode_case(3, lengths, num_q_heads=9, num_kv_heads=3, head_dim=head_dim, page_size=16,
+                            dtype=pool_dtype)  # fmt: skip
+    q, k, v, table, lens = _f32_queries(case.args())
+    full = np.asarray(jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125))(q, k, v, table, lens))
     np.testing.assert_allclose(full, naive_decode(case, scale=0.125, sliding_window=0, soft_cap=None), rtol=1e-5,
                                atol=1e-5)  # fmt: skip
-    q, k, v, table, lens = case.args()
     for r in (0, 4):
         alone = jax.jit(lambda *a: ragged_cpu.paged_decode_attention(*a, scale=0.125))(
             q[r : r + 1], k, v, table[r : r + 1], lens[r : r + 1]
