@@ -89,9 +89,10 @@ def resolve_dtype(dtype: str, backend: str, checkpoint_dtype: str | None) -> str
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str, backend: str | None = None) -> str:
     """The KV pool's dtype: the model's unless set, but float32 for a 16-bit model on CPU. XLA:CPU writes a step's
-    K/V into a 16-bit pool by rewriting the whole pool (measured: 20 ms a step for a 25 MB bfloat16 pool, 10 us in
-    float32; `LLM(dtype="bfloat16")` took 23 s for 12 tokens where float32 K/V took 1.6 s). The pool's byte
-    budget is unchanged, so it holds half the tokens."""
+    K/V into a bfloat16 pool by rewriting the whole pool (measured: 20 ms a step for a 25 MB pool, 10 us in float32;
+    `LLM(dtype="bfloat16")` took 23 s for 12 tokens where float32 K/V took 1.6 s), and the CPU kernel takes float32
+    queries. A float16 pool it writes in place, and the kernel reads one under float32 queries (asked for: not the
+    default, benchmarks/README.md). The pool's byte budget is unchanged, so float32 holds half the tokens."""
     if kv_cache_dtype in (None, "auto"):
         return "float32" if backend == "cpu" and model_dtype in ("bfloat16", "float16") else model_dtype
     if kv_cache_dtype not in KV_CACHE_DTYPES:

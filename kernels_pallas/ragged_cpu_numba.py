@@ -12,7 +12,7 @@ difference). Each handler compiles only when a model needs it: building both at 
 Full 16-key pages of decode tokens at head dim 64 go through a few hundred lines of LLVM vector IR
 (`_page_function`) instead of the numba loops: see the comment above it. They add ~4 s to the 64 handler's build.
 
-Each handler exists for float32 and for float16 pools (the CPU default for a float32 model:
+Each handler exists for float32 and for float16 pools (`--kv-cache-dtype float16`; float32 is the default, see
 jaxinfer.device.resolve_kv_cache_dtype). numba has no float16 on CPU, so a float16 pool is read as its bits
 (uint16) and every load of a K or V element widens it (`_kv`; F16C's vcvtph2ps once vectorized); queries,
 scores and accumulators stay float32. Reading half the bytes, a 128-row decode's attention ran 1.47x faster alone

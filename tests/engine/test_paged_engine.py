@@ -61,8 +61,8 @@ def test_paged_equals_contiguous(model, page_size, budget, max_seqs):
 
 
 def test_a_float16_pool_keeps_the_greedy_tokens(smol, caplog, monkeypatch):
-    """The CPU default pool for a float32 model: float16 K/V, read by the numba kernel (no fallback to jnp), gives
-    the float32 contiguous generator's greedy tokens on these prompts (chunked, straddling pages)."""
+    """`--kv-cache-dtype float16` on CPU: float16 K/V, read by the numba kernel under float32 queries (no fallback
+    to jnp), gives the float32 contiguous generator's greedy tokens on these prompts (chunked, straddling pages)."""
     import jax.numpy as jnp
 
     from kernels_pallas import dispatch
