@@ -40,7 +40,9 @@ def test_unequal_replicas_route_by_capacity(monkeypatch):
     assert [e.allocator.num_pages for e in eng.replicas] == [6, 24]
     assert [e.cc.max_model_len for e in eng.replicas] == [48, 192] and eng.cc.max_model_len == 192  # pool-bound
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    small, large = eng.add_request([1, 2, 3], sp), eng.add_request(list(range(1, 90)) + [5] * 60, sp)
+    prompts = [list(range(1, 12)), list(range(1, 90)) + [5] * 60]
+    small, large = (eng.add_request(p, sp) for p in prompts)
+    assert eng._owner[small] is eng.replicas[0]  # the least loaded then
     assert eng._owner[large] is eng.replicas[1]  # 169 tokens: only replica 1 holds them, whatever the load
     # A request that fits no replica: a clear error (the largest replica's), nothing queued.
     with pytest.raises(ValueError, match="^max_tokens: .*context length 192 \\(the KV pool's size\\)"):
@@ -51,6 +53,18 @@ def test_unequal_replicas_route_by_capacity(monkeypatch):
             done.setdefault(u.request_id, []).extend(u.new_token_ids)
     assert len(done[small]) == len(done[large]) == 20
     assert all(e.allocator.num_free == e.allocator.num_pages for e in eng.replicas)
+    # Each replica keeps its prompt's full pages in its prefix cache, until reset_prefix_cache drops them on all.
+    def cached() -> list[int]:
+        found = []
+        for e, p in zip(eng.replicas, prompts, strict=True):
+            pages, _ = e.allocator.match_prefix(p, 64)
+            e.allocator.free(pages)  # match_prefix took a reference on each
+            found.append(len(pages))
+        return found
+
+    assert cached() == [1, 18]
+    eng.reset_prefix_cache()
+    assert cached() == [0, 0]
 
 
 @child_only
