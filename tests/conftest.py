@@ -29,15 +29,23 @@ else:
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 
-def pytest_collection_finish(session):
-    # The mesh tests' child pytest (tests/eight_devices.py) starts now, when the launcher test is selected, and runs
-    # beside this session's tests.
-    from tests.eight_devices import start_with_session
+def pytest_collection_modifyitems(config, items):
+    from tests import side_child
 
-    start_with_session(session.items)
+    side_child.select(config, items)
+
+
+def pytest_collection_finish(session):
+    # The children (tests/children.py) start now, when their launcher tests are selected, and run beside this
+    # session's tests.
+    from tests import children, eight_devices, side_child
+
+    children.build_kernels(session.items)
+    eight_devices.start_with_session(session.items)
+    side_child.start_with_session()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests.eight_devices import stop_with_session
+    from tests import children
 
-    stop_with_session()
+    children.stop_all()

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.eight_devices import CHILD, started_child
+from tests import children, eight_devices
 
 
-@pytest.mark.skipif(CHILD, reason="the parent launcher")
+@pytest.mark.skipif(eight_devices.CHILD, reason="the parent launcher")
 def test_mesh_suites_on_8_cpu_devices():
-    code, out = started_child().wait(timeout=900)
-    assert code == 0, out[-11000:]
-    assert " passed" in out and " skipped" not in out, out[-3000:]
+    children.check(eight_devices.NAME, skips=False)
