@@ -1,6 +1,6 @@
 """Child pytests that run part of the suite beside the main one, each waited for by a launcher test.
 
-A full run keeps about 1.2 of the CI machine's 2 cores busy on average: much of it is single-threaded (compiling,
+A full run keeps about 1.2-1.35 of the CI machine's 2 cores busy on average: much of it is single-threaded (compiling,
 numba builds, transformers' GGUF parsing, processes starting). Two children fill the rest:
 - the mesh child (tests/eight_devices.py): the files that need 8 forced CPU devices, which jax fixes at start-up;
 - the side child (tests/side_child.py): heavy, self-contained files taken out of the main process.
