@@ -51,9 +51,16 @@ class Child:
 _started: dict[str, Child] = {}
 
 
+def collected(items: list, launcher: str) -> bool:
+    """Whether the launcher test file `launcher` is among the collected `items`: its child is wanted."""
+    return any(i.nodeid.startswith(launcher) for i in items)
+
+
 def start(name: str, args: list[str], env: dict[str, str], temp: str | None = None) -> None:
     """Starts the child `name`: pytest over `args`, with `env` added to this process's environment. `temp`: a file
     to remove when the child is stopped."""
+    if not _started:
+        _build_kernels()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5", *args]
     out = tempfile.TemporaryFile("w+", encoding="utf-8")
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -82,18 +89,12 @@ def check(name: str, *, skips: bool, timeout: float = 900) -> None:
     assert " passed" in out and (skips or " skipped" not in out), out[-3000:]
 
 
-def build_kernels(items: list) -> None:
+def _build_kernels() -> None:
     """Builds the CPU attention kernel's two float32 handlers (head dim 64, the default model's, and any other, the
-    tiny test model's) before any child starts, when one will. Every process loads them, the servers that tests
-    start too; numba does not lock its cache, so processes that start before one is written each compile it (~10 s
-    on 2 cores)."""
-    from tests import eight_devices, side_child
+    tiny test model's) before the first child starts. Every process loads them, the servers that tests start too;
+    numba does not lock its cache, so processes that start before one is written each compile it (~10 s on 2
+    cores)."""
+    from kernels_pallas import ragged_cpu
 
-    if eight_devices.CHILD or side_child.CHILD:
-        return
-    launchers = (eight_devices.LAUNCHER, side_child.LAUNCHER)
-    if any(i.nodeid.startswith(launchers) for i in items):
-        from kernels_pallas import ragged_cpu
-
-        for head_dim in (64, 16):
-            ragged_cpu.unavailable(head_dim)
+    for head_dim in (64, 16):
+        ragged_cpu.unavailable(head_dim)

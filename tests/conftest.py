@@ -38,9 +38,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     # The children (tests/children.py) start now, when their launcher tests are selected, and run beside this
     # session's tests.
-    from tests import children, eight_devices, side_child
+    from tests import eight_devices, side_child
 
-    children.build_kernels(session.items)
     eight_devices.start_with_session(session.items)
     side_child.start_with_session()
 

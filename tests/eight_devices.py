@@ -34,7 +34,7 @@ LAUNCHER = "tests/test_eight_devices.py"
 
 def start_with_session(items: list[pytest.Item]) -> None:
     """Starts the child when the launcher test is among the collected ones (not in the child itself)."""
-    if not CHILD and not children.has_started(NAME) and any(i.nodeid.startswith(LAUNCHER) for i in items):
+    if not CHILD and not children.has_started(NAME) and children.collected(items, LAUNCHER):
         env = {"JAXINFER_8DEV_CHILD": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
                "JAX_PLATFORMS": "cpu"}  # fmt: skip
         children.start(NAME, list(FILES), env)

@@ -14,7 +14,7 @@ import tempfile
 
 import pytest
 
-from tests import children
+from tests import children, eight_devices
 
 NAME = "side"
 _IDS = "JAXINFER_SIDE_CHILD"  # in the child: the file listing the node ids it runs
@@ -47,7 +47,7 @@ def select(config: pytest.Config, items: list[pytest.Item]) -> None:
             wanted = set(f.read().split("\n"))
         items[:] = [i for i in items if i.nodeid in wanted]
         return
-    if os.environ.get("JAXINFER_8DEV_CHILD") == "1" or not any(i.nodeid.startswith(LAUNCHER) for i in items):
+    if eight_devices.CHILD or not children.collected(items, LAUNCHER):
         return
     handed = [i for i in items if _file(i) in FILES]
     if handed:
