@@ -1,0 +1,70 @@
+"""The batch-invariant CPU projection kernel (kernels_pallas/project_cpu.py, called through XLA's FFI) against the
+product it must match bit for bit: XLA:CPU's library dot, x @ W^T over 16 rows, which sums every output in the same
+order for any row count from 2 up (the order the kernel is written to). And against numpy's float64 product, to the
+rounding of float32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import project_cpu
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
+
+_CONTRACT = (((1,), (1,)), ((), ()))
+_library_dot = jax.jit(lambda x, w: jax.lax.dot_general(x, w, _CONTRACT))
+_kernel = jax.jit(project_cpu.project_rows)
+
+
+def _case(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed + n + k)
+    return rng.standard_normal((16, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+
+
+# SmolLM2's projections (q, k and v, o, gate and up fused, down, the LM head), a kernel whose inputs span two of the
+# library's blocks of 2048 and end inside a third, one output block of 16 and a few.
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (3072, 576), (576, 1536), (49152, 576), (64, 4100),
+                                 (16, 40), (48, 2048)])  # fmt: skip
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_the_kernel_sums_as_the_library_dot(n, k, rows):
+    x, w = _case(n, k)
+    want = np.asarray(_library_dot(jnp.asarray(x), jnp.asarray(w)))[:rows]
+    got = np.asarray(_kernel(jnp.asarray(x[:rows]), jnp.asarray(w)))
+    assert got.shape == (rows, n)
+    np.testing.assert_array_equal(got, want)
+    exact = x[:rows].astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-3 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("n", [1, 5, 13, 21, 35])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_outputs_past_the_last_whole_block(n, rows):
+    """Outputs past the last whole block of 8 or 16 take the same code through a zero-padded copy of their rows:
+    the same bits as when the kernel is padded with zero rows by the caller."""
+    x, w = _case(n, 300)
+    padded = np.concatenate([w, np.zeros((48 - n, 300), np.float32)])
+    got = np.asarray(_kernel(jnp.asarray(x[:rows]), jnp.asarray(w)))
+    want = np.asarray(_kernel(jnp.asarray(x[:rows]), jnp.asarray(padded)))[:, :n]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, x[:rows].astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_stacked_kernel_is_read_at_its_layer(rows):
+    x, w = _case(96, 64)
+    stack = np.stack([w * (i + 1) for i in range(3)])
+    fn = jax.jit(project_cpu.project_rows)
+    for layer in range(3):
+        got = np.asarray(fn(jnp.asarray(x[:rows]), jnp.asarray(stack), jnp.int32(layer)))
+        np.testing.assert_array_equal(got, np.asarray(_kernel(jnp.asarray(x[:rows]), jnp.asarray(stack[layer]))))
+
+
+def test_supported_cases():
+    x, w = jnp.zeros((3, 32), jnp.float32), jnp.zeros((64, 32), jnp.float32)
+    assert project_cpu.supported(x, w) and project_cpu.supported(x[:1], w[None])
+    assert not project_cpu.supported(jnp.zeros((9, 32), jnp.float32), w)  # more rows than lanes
+    assert not project_cpu.supported(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert not project_cpu.supported(x, jnp.zeros((64, 31), jnp.float32))
