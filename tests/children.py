@@ -91,10 +91,11 @@ def check(name: str, *, skips: bool, timeout: float = 900) -> None:
 
 def _build_kernels() -> None:
     """Builds the CPU attention kernel's two float32 handlers (head dim 64, the default model's, and any other, the
-    tiny test model's) before the first child starts. Every process loads them, the servers that tests start too;
-    numba does not lock its cache, so processes that start before one is written each compile it (~10 s on 2
-    cores)."""
-    from kernels_pallas import ragged_cpu
+    tiny test model's) and the projection kernel's handler before the first child starts. Every process loads them,
+    the servers that tests start too; numba does not lock its cache, so processes that start before one is written
+    each compile it (~10 s on 2 cores)."""
+    from kernels_pallas import project_cpu, ragged_cpu
 
     for head_dim in (64, 16):
         ragged_cpu.unavailable(head_dim)
+    project_cpu.unavailable()

@@ -14,7 +14,7 @@ import kernels_pallas
 from benchmarks import ab_step
 from jaxinfer.engine import runner
 from jaxinfer.model import layers
-from kernels_pallas import cpu, ragged_cpu
+from kernels_pallas import cpu, project_cpu, ragged_cpu
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the cpu.* variant tunes the CPU attention")
@@ -56,18 +56,24 @@ def test_patches_are_undone_and_unknown_parts_refused() -> None:
 def test_each_variant_compiles_its_own_program() -> None:
     # jax caches traces per Python function: a variant must not get the engine's own trace back unchanged.
     engine, kw = ab_step.recorded_step("scan", 2, 24, "tiny")
+    no_kernel = "layers.PROJECTION_KERNEL_ROWS=0"
     text = {v: ab_step.compiled_variant(engine, kw, v.split("+"))[1].as_text()
-            for v in ("default", "argmax_sampler", "no_attention+no_kv_write", "impl=cpu_jnp",
-                      "layers.WEIGHT_LEFT_MAX_ROWS=1")}  # fmt: skip
+            for v in ("default", "argmax_sampler", "no_attention+no_kv_write", "impl=cpu_jnp", no_kernel,
+                      no_kernel + "+layers.WEIGHT_LEFT_MAX_ROWS=1")}  # fmt: skip
     assert "xor(" in text["default"] and "xor(" not in text["argmax_sampler"]  # the draw's random bits (threefry)
     assert text["default"].count("scatter(") > text["no_attention+no_kv_write"].count("scatter(")  # the K/V write
-    assert text["default"].count(" dot(") > text["no_attention+no_kv_write"].count(" dot(")  # attention's dots
-    if jax.default_backend() == "cpu":  # the numba attention kernel, or the jnp loops in its place
-        # Two rows' projections as W @ x^T by default (dots of an f32[out, 2] result), as x @ W^T (f32[2, out]) with
-        # the constant at 1.
-        weight_left = re.compile(r"= f32\[\d+,2\]\{1,0\} dot\(")
-        assert weight_left.search(text["default"]) and not weight_left.search(text["layers.WEIGHT_LEFT_MAX_ROWS=1"])
+    if jax.default_backend() == "cpu":  # the numba kernels, or XLA's forms in their place
+        # The K and V projections (the projection kernel's calls), dropped with the write that reads them.
+        calls = {v: t.count(f'custom_call_target="{project_cpu.TARGET}"') for v, t in text.items()}
+        assert calls["default"] > calls["no_attention+no_kv_write"] > 0 and calls[no_kernel] == 0
+        # Without the kernel, two rows' projections as W @ x^T padded to 16 rows (dots of an f32[out, 16] result),
+        # as x @ W^T (f32[2, out]) with the weight-left constant at 1 as well.
+        weight_left = re.compile(r"= f32\[\d+,16\]\{1,0\} dot\(")
+        assert weight_left.search(text[no_kernel])
+        assert not weight_left.search(text[no_kernel + "+layers.WEIGHT_LEFT_MAX_ROWS=1"])
         assert ragged_cpu.TARGET in text["default"] and ragged_cpu.TARGET not in text["impl=cpu_jnp"]
+    else:
+        assert text["default"].count(" dot(") > text["no_attention+no_kv_write"].count(" dot(")  # attention's dots
 
 
 def test_separate_gate_up_builds_an_engine_without_the_fusion() -> None:

@@ -8,6 +8,7 @@ Both write the new K/V into the donated pools in place and sample on device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -35,6 +36,7 @@ from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
 from jaxinfer.host_memory import release_freed_memory
+from jaxinfer.model import layers
 from jaxinfer.model.functional import ModelDef, split_model
 from jaxinfer.model.scanned import ScannedTransformer, scan_unsupported
 from jaxinfer.model.transformer import Params
@@ -49,6 +51,7 @@ from jaxinfer.sampling import (
 )
 from jaxinfer.sharding import KV_POOL_AXES, MODEL, device_buffers, spec
 from jaxinfer.step import StepInputs, StepPacker, bucket_table, pack, pick_bucket
+from kernels_pallas import project_cpu
 
 log = logging.getLogger(__name__)
 
@@ -182,15 +185,20 @@ def paged_step(
         st = dataclasses.replace(st, history=resolve_placeholders(st.history, feed))
     stacked = isinstance(model, ScannedTransformer)  # one pool pair for all layers, carried through the loop
     attend = _paged_attend(cfg, inp, decode_only, impl, mesh, stacked)
-    hidden, kv = model(token_ids[None], inp.positions[None], kv[0] if stacked else kv, attend)
+    # Over several devices the projections take XLA's dots: GSPMD would gather every kernel for a custom call.
+    multi_device = mesh is not None and mesh.size > 1
+    sharded = layers.sharded_step if multi_device else contextlib.nullcontext
+    with sharded():
+        hidden, kv = model(token_ids[None], inp.positions[None], kv[0] if stacked else kv, attend)
+        lg = model.logits(hidden[0][inp.logits_indices])  # f32[S, V]
     kv = [kv] if stacked else kv
-    lg = model.logits(hidden[0][inp.logits_indices])  # f32[S, V]
     if mesh is not None:
         # Gather the vocab-sharded logits; every device samples the same rows ([S, V] is small next to the weights).
         lg = jax.lax.with_sharding_constraint(lg, NamedSharding(mesh, P()))
     prompt_lp = None
     if prompt_logprobs:
-        lg_all = model.logits(hidden[0])  # f32[T, V]
+        with sharded():
+            lg_all = model.logits(hidden[0])  # f32[T, V]
         prompt_lp = compute_logprobs(lg_all, jnp.maximum(inp.target_ids, 0), num_logprobs or 0)
     out = sample(lg, st, advanced=advanced, num_logprobs=num_logprobs)
     return out, prompt_lp, kv, feed.at[: out.token_ids.shape[0]].set(out.token_ids)
@@ -329,6 +337,10 @@ class ModelRunner:
         self.seq_buckets, self.token_buckets = self.buckets.seq_buckets, self.buckets.token_buckets
         # Serialized compiled steps (None: off): a warm start skips tracing and lowering. See exec_cache.
         self.exec_cache = ExecutableCache.from_jax_config()
+        if self.exec_cache is not None and jax.default_backend() == "cpu" and jnp.dtype(cfg.dtype) == jnp.float32:
+            # A loaded step may call the CPU projection kernel (layers.project): XLA resolves its FFI target when
+            # the step loads, and a warm start traces nothing that would register it first.
+            project_cpu.unavailable()
         self._compiled: dict[tuple, Callable] = {}
         # Step variants `warmup(defer=True)` left for `compile_deferred` (its combos, in compile order).
         self.deferred: list[tuple] = []

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import RopeConfig, rope_inv_freq
+from kernels_pallas import project_cpu
 
 Initializer = Callable[..., jax.Array]
 
@@ -46,10 +47,30 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...], axes: tuple
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """x f[..., D] summed over its last axis in one fixed order whatever the leading axes hold, -> f[..., 1]: padded
+    with zeros to a power of two, then halves added until one is left. XLA:CPU's own reduction of a row changed with
+    the rows around it in a step (another fusion, another vector order): a row's norm, and so its tokens, depended
+    on its batch. A tree of elementwise adds leaves XLA no order to choose."""
+    width = x.shape[-1]
+    padded = 1 << max(width - 1, 0).bit_length()
+    if padded != width:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - width)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm computed in f32 (as HF does), scaled by (offset + w); Gemma stores w with offset 1."""
+    """RMSNorm computed in f32 (as HF does), scaled by (offset + w); Gemma stores w with offset 1. On XLA:CPU the
+    mean of squares is a `pairwise_sum`, so that a row's norm does not depend on the rows beside it."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if target_platform() == "cpu":
+        mean = pairwise_sum(xf * xf) * (1.0 / xf.shape[-1])
+    else:
+        mean = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    xf = xf * jax.lax.rsqrt(mean + eps)
     return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -109,42 +130,102 @@ class Embed(nnx.Module):
         return x
 
 
-# XLA:CPU puts the weight on the left of the dot for 2..128 rows and a result of at most 8 MiB (`project`): the LM
+# XLA:CPU puts the weight on the left of the dot for 9..128 rows and a result of at most 8 MiB (`project`): the LM
 # head's 6 MB at 32 rows gained 1.36x, its 25 MB at 128 rows cost 7.8 ms to transpose.
 WEIGHT_LEFT_MAX_ROWS = 128
 WEIGHT_LEFT_MAX_OUT_BYTES = 8 << 20
+# The weight-left form sums in x @ W^T's order only for whole multiples of this many rows (benchmarks/README.md).
+WEIGHT_LEFT_ROWS_MULTIPLE = 16
+# Up to this many rows, float32 projections on CPU take kernels_pallas.project_cpu (at most its MAX_ROWS). 0: XLA's
+# own forms, which are not batch-invariant at one row or eight (`ab_step --variants layers.PROJECTION_KERNEL_ROWS=0`).
+PROJECTION_KERNEL_ROWS = 8
+
+_SHARDED = contextvars.ContextVar("jaxinfer_sharded_step", default=False)
 
 
-def project(x: jax.Array, w: jax.Array, num_in: int, out_dtype=None, *, in_branch: bool = False) -> jax.Array:
+@contextlib.contextmanager
+def sharded_step() -> Iterator[None]:
+    """Projections traced inside take XLA's dots only, none of the CPU kernel's custom calls: those have no sharding
+    rule, and over a mesh GSPMD would gather every kernel onto every device to run them."""
+    token = _SHARDED.set(True)
+    try:
+        yield
+    finally:
+        _SHARDED.reset(token)
+
+
+def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=None, *,
+            in_branch: bool = False) -> jax.Array:  # fmt: skip
     """x f[..., *in] times a kernel stored output-major, w f[*out, *in] (PyTorch's Linear layout), -> f[..., *out].
 
-    On XLA:CPU the form follows the rows (benchmarks/README.md: output-major kernels; one-row projections):
-    - one row: the vector times W's transpose, which XLA:CPU fuses with the vector's producers (the norm) and with
-      the slice of a stacked kernel into one loop over W's rows, split across the cores: the memory's pace, where
-      Eigen's one-core GEMV after a copy of the slice ran the attention projections at ~19 GB/s. Two exceptions
-      take Eigen's GEMV (W @ x): inside a conditional's branch (`in_branch`, `LayerSelect`), where XLA:CPU splits
-      no loop (7.4 GB/s), and a kernel with several input axes, whose flattening costs the fused loop a gather
-      per element (9 GB/s);
-    - a decode batch (2..128 rows, small result): W @ x^T with the result transposed: YNNPACK ran it 1.1-1.5x
-      faster than x @ W^T at 8-64 rows. The optimization barrier keeps XLA from folding the transpose into the dot
-      (it would hand the dot both operands transposed, a slower path);
-    - a prompt's many rows, or a large result (the LM head's at 128 rows: 25 MB costs more to transpose than it
-      gains): x @ W^T, as on accelerators."""
-    lead, num_out = x.shape[: x.ndim - num_in], w.ndim - num_in
-    rows, k, n = math.prod(lead), math.prod(x.shape[x.ndim - num_in :]), math.prod(w.shape[:num_out])
-    w2, x2 = w.reshape(n, k), x.reshape(rows, k)
+    On XLA:CPU a row's result does not depend on how many rows share the product (batch invariance: a seeded
+    request samples the same tokens alone and batched, tests/model/test_batch_invariance.py). XLA's library dot
+    (YNNPACK) sums every output of x @ W^T in one order for 2 rows and more, given an output count that is a
+    multiple of 16, and so do the forms below (benchmarks/README.md, "batch-invariant projections"):
+    - 1-8 rows of float32: `kernels_pallas.project_cpu`, a kernel that sums in that order, at the pace the weights
+      stream from memory (XLA's one-row forms, a fused loop and Eigen's GEMV, sum in other orders; YNNPACK itself
+      runs one row 2x slower than them);
+    - one row the kernel does not take (another dtype, an output count not a multiple of 16, no numba, or a
+      sharded step), as before the kernel, not batch-invariant: the vector times W's transpose, which XLA:CPU fuses
+      with the vector's producers (the norm) and with the slice of a stacked kernel into one loop over W's rows,
+      split across the cores (the memory's pace). Two exceptions take Eigen's GEMV (W @ x): inside a conditional's
+      branch (`in_branch`, `LayerSelect`), where XLA:CPU splits no loop (7.4 GB/s), and a kernel with several input
+      axes, whose flattening costs the fused loop a gather per element (9 GB/s);
+    - 2-128 rows with a small result: W @ x^T with the result transposed, the rows padded to a multiple of 16 (an
+      8-row remainder takes another of YNNPACK's kernels, which sums in another order). YNNPACK ran this form
+      1.1-1.5x faster than x @ W^T at 8-64 rows. The optimization barrier keeps XLA from folding the transpose into
+      the dot (it would hand the dot both operands transposed, a slower path);
+    - a prompt's many rows, a large result (the LM head's at 128 rows: 25 MB costs more to transpose than it
+      gains), or anything else: x @ W^T, as on accelerators."""
+    stack = w if isinstance(w, StackedSelect) else None
+    shape = stack.stack.shape[1:] if stack is not None else w.shape
+    lead, num_out = x.shape[: x.ndim - num_in], len(shape) - num_in
+    rows, k, n = math.prod(lead), math.prod(x.shape[x.ndim - num_in :]), math.prod(shape[:num_out])
+    x2 = x.reshape(rows, k)
     contract = (((1,), (1,)), ((), ()))
     out_bytes = rows * n * jnp.dtype(out_dtype or x.dtype).itemsize
-    if target_platform() != "cpu" or rows > WEIGHT_LEFT_MAX_ROWS or out_bytes > WEIGHT_LEFT_MAX_OUT_BYTES:
-        y = jax.lax.dot_general(x2, w2, contract, preferred_element_type=out_dtype)
-    elif rows == 1 and not in_branch and num_in == 1:
+    cpu = target_platform() == "cpu" and not _SHARDED.get()
+    kernel = stack.stack.reshape(-1, n, k) if stack is not None else w.reshape(n, k)
+    invariant_n = n % WEIGHT_LEFT_ROWS_MULTIPLE == 0
+    if cpu and rows <= PROJECTION_KERNEL_ROWS and invariant_n and project_cpu.supported(x2, kernel):
+        layer = stack.index if stack is not None else None
+        return project_cpu.project_rows(x2, kernel, layer).astype(out_dtype or x.dtype).reshape(*lead, *shape[:num_out])
+    if stack is not None:  # the other forms read the layer's slice
+        w = jax.lax.dynamic_index_in_dim(stack.stack, stack.index, keepdims=False)
+    w2 = w.reshape(n, k)
+    if cpu and rows == 1 and not in_branch and num_in == 1:
         # Spelled with the transpose: XLA:CPU rewrites a dot over W's own layout into a GEMV library call first.
         y = jnp.matmul(x2, w2.T, preferred_element_type=out_dtype)
-    elif rows == 1:
+    elif cpu and rows == 1:
         y = jnp.matmul(w2, x2[0], preferred_element_type=out_dtype)[None]
+    elif cpu and 1 < rows <= WEIGHT_LEFT_MAX_ROWS and out_bytes <= WEIGHT_LEFT_MAX_OUT_BYTES:
+        pad = -rows % WEIGHT_LEFT_ROWS_MULTIPLE
+        xp = jnp.pad(x2, ((0, pad), (0, 0))) if pad else x2
+        y = jax.lax.optimization_barrier(jax.lax.dot_general(w2, xp, contract, preferred_element_type=out_dtype))
+        y = y.T[:rows]
     else:
-        y = jax.lax.optimization_barrier(jax.lax.dot_general(w2, x2, contract, preferred_element_type=out_dtype)).T
-    return y.reshape(*lead, *w.shape[:num_out])
+        y = jax.lax.dot_general(x2, w2, contract, preferred_element_type=out_dtype)
+    return y.reshape(*lead, *shape[:num_out])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedSelect:
+    """One layer's kernel inside a loop over layers, as the whole stack f[L, *shape] and the traced layer index: the
+    CPU projection kernel reads the layer in place, where XLA would copy the slice out before a custom call reads it
+    (every attention projection of every layer, each step); the other forms slice it (`project`). `Linear` takes
+    one in place of an array (`jaxinfer.model.scanned` builds them)."""
+
+    stack: jax.Array
+    index: jax.Array  # i32[]
+
+    def __getitem__(self, key):
+        if key is not Ellipsis:
+            raise TypeError("a StackedSelect is read whole ([...]) by Linear")
+        return self  # what `Param[...]` hands to Linear
+
+    def project(self, x: jax.Array, num_in: int) -> jax.Array:
+        return project(x, self, num_in)
 
 
 @jax.tree_util.register_dataclass
@@ -205,7 +286,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.kernel[...]
-        y = w.project(x, self.num_in) if isinstance(w, LayerSelect) else project(x, w, self.num_in)
+        y = w.project(x, self.num_in) if isinstance(w, (LayerSelect, StackedSelect)) else project(x, w, self.num_in)
         return y if self.bias is None else y + self.bias[...]
 
 

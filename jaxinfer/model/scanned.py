@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
-from jaxinfer.model.layers import LayerSelect, rope_tables
+from jaxinfer.model.layers import LayerSelect, StackedSelect, rope_tables
 from jaxinfer.model.transformer import AttentionFn, Transformer
 
 # Gate and up as one kernel per layer (`GatedMLP.fuse_projections`). Measured on XLA:CPU (benchmarks/README.md,
@@ -49,6 +49,12 @@ def scan_unsupported(cfg: ModelConfig) -> str | None:
     if len(set(cfg.layer_windows)) > 1:
         return "its layers differ (sliding-window and global attention alternate)"
     return None
+
+
+def _whole(path: tuple) -> bool:
+    """Stacked kernels that the loop body gets whole, with the layer index (`StackedSelect`), not sliced: the
+    attention projections, which the CPU projection kernel reads in place (a slice handed to it is a copy)."""
+    return path[-1] == "kernel" and path[0] == "attn"
 
 
 def _per_layer(path: tuple) -> bool:
@@ -99,14 +105,16 @@ class ScannedTransformer(nnx.Module):
         ropes = {"global": table, "local": table}  # every layer uses the same one (scan_unsupported)
         graphdef, state = nnx.split(self.layers)
         flat = list(nnx.to_flat_state(state))
-        stacked = nnx.from_flat_state([(path, v) for path, v in flat if not _per_layer(path)])
+        stacked = nnx.from_flat_state([(path, v) for path, v in flat if not _per_layer(path) and not _whole(path)])
         kernels = [(path, v) for path, v in flat if _per_layer(path)]
+        whole = [(path, v) for path, v in flat if _whole(path)]
 
         def body(carry: tuple, layer_state: nnx.State) -> tuple[tuple, None]:
             x, cache, i = carry
             # The block's own index is layer 0's (its graphdef): attend gets the traced one instead.
             at_layer = lambda _, q, k, v, c: attend(i, q, k, v, c)  # noqa: E731
             picked = [(path, v.replace(LayerSelect(v.get_value(), i))) for path, v in kernels]
+            picked += [(path, v.replace(StackedSelect(v.get_value(), i))) for path, v in whole]
             layer_state = nnx.from_flat_state(list(nnx.to_flat_state(layer_state)) + picked)
             x, cache = nnx.merge(graphdef, layer_state)(x, ropes, at_layer, cache)
             return (x, cache, i + 1), None

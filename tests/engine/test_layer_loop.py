@@ -208,19 +208,26 @@ def test_scanned_step_reads_the_kernels_in_place(decode_only, t, s):
     assert sizes.count(2 * 32 * 72) == sizes.count(32 * 72) == 3
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the one-row form is XLA:CPU's (layers.project)")
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the one-row forms are XLA:CPU's (layers.project)")
 def test_one_row_step_reads_the_attention_kernels_in_place():
-    """A batch-1 decode step reads each layer's attention kernels out of their stacks inside the one-row dot that
-    XLA:CPU fuses (`jaxinfer.model.layers.project`): every slice of a stacked kernel sits in a fused computation
-    with its dot; none is copied out first (copied, then Eigen's GEMV: the projections ran at ~19 GB/s; fused,
-    split over the cores: ~33). A hidden size of 40 gives the kernels element counts nothing else has."""
+    """A batch-1 decode step reads each layer's attention kernels where they are stacked. q, k and v (32 and 16
+    outputs, multiples of 16) go to the batch-invariant projection kernel, which takes the whole stack and the layer
+    index (`StackedSelect`: a slice handed to a custom call is a copy). o (40 outputs, which the kernel does not take)
+    is sliced inside the one-row dot that XLA:CPU fuses: copied, then Eigen's GEMV, the projections ran at ~19 GB/s;
+    fused, split over the cores: ~33. A hidden size of 40 gives the kernels element counts nothing else has."""
     eng = _engine("scan", num_pages=41, hidden_size=40, intermediate_size=72)
+    layers = eng.cfg.num_layers
     hlo = _compiled_step(eng, True, 1, 1)
-    sizes = {4 * 8 * 40, 2 * 8 * 40}  # q and o; k and v
-    sliced = [c for c in hlo.split("\n\n") if _kernel_slices(c, sizes)]
-    assert len(sliced) == 4, f"expected the q, k, v and o slices each in a fusion, found {len(sliced)}"
-    for comp in sliced:
-        assert re.search(r" dot\(", comp), "a kernel is sliced out of its stack apart from its dot:\n" + comp[:600]
-        # The fused dot reads its vector through the operand's shape: the attention output f32[1, H, Dh] ran the o
-        # projection 3x slower than f32[1, H*Dh] (kernels_pallas.ragged_cpu declares its result flat).
-        assert "f32[1,4,8]{2,1,0} parameter" not in comp, "the o projection reads heads x head_dim:\n" + comp[:600]
+    calls = [ln for ln in hlo.splitlines() if 'custom_call_target="jaxinfer_project' in ln]
+    for stack in (f"f32[{layers},32,40]", f"f32[{layers},16,40]"):  # q; k and v
+        assert sum(stack in ln for ln in calls) == (1 if "32," in stack else 2), (stack, calls)
+    sliced = [c for c in hlo.split("\n\n") if _kernel_slices(c, {40 * 4 * 8})]
+    assert len(sliced) == 1, f"expected o's slice in a fusion, found {len(sliced)}"
+    assert re.search(r" dot\(", sliced[0]), (
+        "o's kernel is sliced out of its stack apart from its dot:\n" + sliced[0][:600]
+    )
+    # The fused dot reads its vector through the operand's shape: the attention output f32[1, H, Dh] ran the o
+    # projection 3x slower than f32[1, H*Dh] (kernels_pallas.ragged_cpu declares its result flat).
+    assert "f32[1,4,8]{2,1,0} parameter" not in sliced[0], (
+        "the o projection reads heads x head_dim:\n" + sliced[0][:600]
+    )

@@ -71,6 +71,29 @@ def test_seeded_sampling_ignores_batch(smol):
     assert alone == mixed == first
 
 
+def _logprob_bits(out) -> list:
+    """Each sampled token with its top logprobs, as the floats' bits."""
+    c = out.outputs[0]
+    return [
+        (t, sorted((i, np.float32(v).tobytes()) for i, v in d.items()))
+        for t, d in zip(c.token_ids, c.logprobs, strict=True)
+    ]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's batch-invariant forms")
+def test_logprobs_are_bit_identical_alone_and_batched(smol):
+    """Batch invariance on CPU, beyond the sampled tokens: every logprob of a seeded request is the same float alone
+    (one-row decode steps), beside four others (the 8-row bucket) and among eleven (more than the 8 rows a step
+    holds, so its steps also mix with prompt chunks). jaxinfer.model.layers.project and rms_norm give it."""
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=7, logprobs=3)
+    prompts = TEXTS[:3]
+    alone = [_logprob_bits(smol.generate(p, sp, use_tqdm=False)[0]) for p in prompts]
+    for n in (5, 11):
+        batch = [TEXTS[i % len(TEXTS)] + " " * (i // len(TEXTS)) for i in range(n)]
+        outs = smol.generate(batch, [sp] * n, use_tqdm=False)
+        assert [_logprob_bits(o) for o in outs[:3]] == alone, f"batch of {n}"
+
+
 def test_reset_prefix_cache_makes_the_next_generate_compute_its_prompt(smol):
     """LLM.reset_prefix_cache (vLLM's): a repeated prompt's pages come from the prefix cache, and after the reset
     they are computed again, giving the same tokens."""

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.model.layers import WEIGHT_LEFT_MAX_OUT_BYTES, WEIGHT_LEFT_MAX_ROWS, project
+from jaxinfer.model.layers import WEIGHT_LEFT_MAX_OUT_BYTES, WEIGHT_LEFT_MAX_ROWS, StackedSelect, project
 
 
 def _weight_left(rows: int, out: int) -> bool:
@@ -41,6 +41,8 @@ def test_project_matches_einsum(lead, out_shape, in_shape, in_branch):
 
 def _form(text: str) -> str:
     """Which dot form a lowered `project` took, from its StableHLO."""
+    if "jaxinfer_project" in text:
+        return "kernel"  # kernels_pallas.project_cpu's custom call
     if "optimization_barrier" in text:
         return "weight_left"  # W @ x^T, its result transposed behind the barrier
     if "stablehlo.transpose" in text:
@@ -52,16 +54,41 @@ def _form(text: str) -> str:
 @pytest.mark.parametrize(
     "rows,out,in_shape,in_branch",
     [(1, 48, (32,), False), (1, 48, (32,), True), (1, 48, (2, 16), False), (8, 48, (32,), False),
-     (128, 48, (32,), False), (129, 48, (32,), False), (64, 40000, (32,), False)],
+     (1, 40, (32,), False), (1, 40, (32,), True), (1, 40, (2, 16), False), (8, 40, (32,), False),
+     (9, 48, (32,), False), (128, 48, (32,), False), (129, 48, (32,), False), (64, 40000, (32,), False)],
 )  # fmt: skip
 def test_project_picks_the_measured_form(rows, out, in_shape, in_branch):
-    """The form the docstring promises for each case (benchmarks/README.md has the measurements)."""
+    """The form the docstring promises for each case (benchmarks/README.md has the measurements): on CPU, the
+    kernel for 1-8 float32 rows and an output count that is a multiple of 16; the older one-row forms otherwise."""
     x, w = jnp.ones((rows, *in_shape), jnp.float32), jnp.ones((out, *in_shape), jnp.float32)
     text = jax.jit(lambda x, w: project(x, w, len(in_shape), in_branch=in_branch)).lower(x, w).as_text()
     if jax.default_backend() != "cpu":
         want = "x_wt"
+    elif rows <= 8 and out % 16 == 0:
+        want = "kernel"
     elif rows == 1:
         want = "vector_times_wt" if not in_branch and len(in_shape) == 1 else "gemv"
     else:
         want = "weight_left" if _weight_left(rows, out) else "x_wt"
     assert _form(text) == want
+
+
+# A multiple of 16 outputs (what the batch-invariant forms need), two of the library's blocks of 2048 inputs, and a
+# kernel with its heads as input axes (the output projection).
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's forms")
+@pytest.mark.parametrize("out_shape,in_shape", [((96,), (64,)), ((32,), (4100,)), ((48,), (4, 16))])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(out_shape, in_shape, stacked):
+    """Batch invariance: the first row's result is bit-identical whatever the row count of the product, from one
+    row (the kernel) through the weight-left form's 9-128 (the odd ones padded to a multiple of 16) to x @ W^T."""
+    rng = np.random.default_rng(len(in_shape) + out_shape[0])
+    x = jnp.asarray(rng.standard_normal((200, *in_shape), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((3, *out_shape, *in_shape), dtype=np.float32))
+    n_in = len(in_shape)
+    if stacked:
+        fn = jax.jit(lambda x, w: project(x, StackedSelect(w, jnp.int32(1)), n_in))
+    else:
+        fn = jax.jit(lambda x, w: project(x, w[1], n_in))
+    first = {rows: np.asarray(fn(x[:rows], w))[0] for rows in (1, 2, 7, 8, 9, 16, 24, 33, 64, 128, 129, 200)}
+    for rows, got in first.items():
+        np.testing.assert_array_equal(got, first[1], err_msg=f"{rows} rows")
