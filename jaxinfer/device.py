@@ -88,13 +88,20 @@ def resolve_dtype(dtype: str, backend: str, checkpoint_dtype: str | None) -> str
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: str, backend: str | None = None) -> str:
-    """The KV pool's dtype: the model's unless set, but float32 for a 16-bit model on CPU. XLA:CPU writes a step's
-    K/V into a bfloat16 pool by rewriting the whole pool (measured: 20 ms a step for a 25 MB pool, 10 us in float32;
-    `LLM(dtype="bfloat16")` took 23 s for 12 tokens where float32 K/V took 1.6 s), and the CPU kernel takes float32
-    queries. A float16 pool it writes in place, and the kernel reads one under float32 queries (asked for: not the
-    default, benchmarks/README.md). The pool's byte budget is unchanged, so float32 holds half the tokens."""
+    """The KV pool's dtype: the model's unless set, except on CPU.
+
+    - A float32 model on CPU gets float16 K/V, as llama.cpp's default: the CPU attention kernel reads half the bytes
+      and widens them on load (a 128-row decode step of SmolLM2-135M 1.05x, its attention 1.26x, paired; greedy
+      tokens equal to transformers' on issue #14's 16 check prompts; benchmarks/README.md), and the pool's byte
+      budget holds twice the tokens. `float32` keeps the model's precision in the cache. A seeded request's tokens
+      stay the same alone and batched: the step's projections are batch-invariant on CPU (layers.project).
+    - A 16-bit model on CPU gets float32 K/V: XLA:CPU writes a step's K/V into a bfloat16 pool by rewriting the
+      whole pool (20 ms a step for a 25 MB pool, 10 us in float32; `LLM(dtype="bfloat16")` took 23 s for 12 tokens
+      where float32 K/V took 1.6 s), and the kernel takes float32 queries only. A float16 pool it writes in place."""
     if kv_cache_dtype in (None, "auto"):
-        return "float32" if backend == "cpu" and model_dtype in ("bfloat16", "float16") else model_dtype
+        if backend == "cpu":
+            return "float16" if model_dtype == "float32" else "float32"
+        return model_dtype
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     return kv_cache_dtype

@@ -1,13 +1,12 @@
 """Batch-invariant float32 projections of 1-8 rows on CPU: a numba kernel that the jitted step calls through XLA's
 FFI (kernels_pallas/project_cpu_numba.py).
 
-XLA:CPU's library dot (YNNPACK) sums each output of x @ W^T (W stored f32[N, K]) in one order for every row count
-from 2 up, and so does its weight-left form W @ x^T for whole multiples of 16 rows. A row's bits then do not depend on
-how many rows share the product. One row is the exception: XLA:CPU runs it as a fused loop or Eigen's GEMV, which
-sum in other orders, and YNNPACK's own form costs twice as much there. So do 2-15 rows in the weight-left form
-(measured 1.1-1.5x faster than x @ W^T at 8-64 rows) with an 8-row remainder. This kernel sums 1-8 rows in
-YNNPACK's order at the pace the kernel streams from memory, which is what makes a sequence's tokens the same alone
-(one-row decode steps) and batched (jaxinfer.model.layers.project).
+XLA:CPU's library dot (YNNPACK) sums each output of x @ W^T (W stored f32[N, K], N a multiple of 16) in one order for
+every row count from 2 up, and so does its weight-left form W @ x^T for whole multiples of 16 rows. One row is the
+exception: XLA:CPU runs it as a fused loop or Eigen's GEMV, which sum in other orders, and YNNPACK's own form costs
+twice as much there; 8 rows in the weight-left form take another of its kernels. This kernel sums 1-8 rows in
+YNNPACK's order, so that a sequence's logits are the same alone (one-row decode steps) and batched
+(jaxinfer.model.layers.project picks it; benchmarks/README.md has the measurements).
 """
 
 from __future__ import annotations

@@ -53,13 +53,17 @@ def test_unknown_dtype_names_the_parameter():
 
 @pytest.mark.parametrize(
     "asked, model, backend, pool",
-    [("auto", "bfloat16", "cpu", "float32"), (None, "float16", "cpu", "float32"), ("auto", "float32", "cpu", "float32"),
+    [("auto", "bfloat16", "cpu", "float32"), (None, "float16", "cpu", "float32"),
+     ("auto", "float32", "cpu", "float16"), (None, "float32", "cpu", "float16"),
+     ("float32", "float32", "cpu", "float32"), ("auto", "float32", "gpu", "float32"),
      ("auto", "bfloat16", "gpu", "bfloat16"), ("auto", "bfloat16", "tpu", "bfloat16"),
      ("bfloat16", "bfloat16", "cpu", "bfloat16"), ("bfloat16", "float32", "gpu", "bfloat16")],
 )  # fmt: skip
-def test_a_16_bit_model_on_cpu_keeps_a_float32_kv_pool_unless_asked(asked, model, backend, pool):
-    """XLA:CPU rewrote a whole 16-bit pool at every step's K/V write: `LLM(dtype="bfloat16")` on CPU took 23 s for
-    12 tokens (a 256 MiB pool) where a float32 pool takes under a second."""
+def test_kv_pool_dtype_on_cpu_is_float16_for_a_float32_model_and_float32_for_a_16_bit_one(asked, model, backend, pool):
+    """On CPU a float32 model's pool is float16 (the numba kernel reads half the bytes; XLA:CPU writes it in
+    place), a 16-bit model's float32: XLA:CPU rewrote a whole bfloat16 pool at every step's K/V write
+    (`LLM(dtype="bfloat16")` took 23 s for 12 tokens, a 256 MiB pool, where a float32 pool takes under a second).
+    Asked for, any dtype is kept; elsewhere the pool follows the model."""
     assert resolve_kv_cache_dtype(asked, model, backend) == pool
 
 

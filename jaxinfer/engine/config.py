@@ -100,7 +100,8 @@ class EngineArgs:
     tokenizer: Any = None
     # A Jinja chat template, or a path to a file holding one, used instead of the model's (vLLM's --chat-template).
     chat_template: str | None = None
-    # "auto": float32 on CPU, the checkpoint's half precision (or bfloat16) on GPU/TPU; the KV cache follows it.
+    # "auto": float32 on CPU, the checkpoint's half precision (or bfloat16) on GPU/TPU. The KV cache follows it, but
+    # on CPU is float16 for a float32 model and float32 for a 16-bit one (jaxinfer.device.resolve_kv_cache_dtype).
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     device: str | None = None  # None: $JAXINFER_DEVICE, else what $JAX_PLATFORMS asks for, else auto

@@ -129,7 +129,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="weights and activations; auto: float32 on CPU, the checkpoint's (or bfloat16) on GPU/TPU",
     )
     p.add_argument("--kv-cache-dtype", default=D.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="KV cache; auto: as --dtype, but float32 for a 16-bit --dtype on CPU")  # fmt: skip
+                   help="KV cache; auto: as --dtype, but on CPU float16 for a float32 --dtype and float32 for a "
+                        "16-bit one")  # fmt: skip
     p.add_argument(
         "--device",
         default=D.device,

@@ -14,7 +14,7 @@ class _Stop(Exception):
 
 
 @pytest.mark.parametrize("kwargs,expected", [
-    ({}, (None, 16, "float32", "float32")),
+    ({}, (None, 16, "float32", "float16")),  # a float32 model's pool on CPU: float16 (resolve_kv_cache_dtype)
     ({"attn_impl": "cpu_jnp", "kv_cache_dtype": "bfloat16"}, ("cpu_jnp", 16, "float32", "bfloat16")),
 ])  # fmt: skip
 def test_the_kernel_is_prepared_for_the_models_head_dim_before_the_weights_load(tmp_path, monkeypatch, kwargs,

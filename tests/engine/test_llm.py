@@ -609,8 +609,11 @@ def test_prompt_logprobs_match_the_model(smol, length):
     lg, _ = run_step(runner.family_params(), runner.cfg, tokens, pos, pos < len(prompt),
                      init_contiguous_cache(runner.cfg, 1, t), all_logits=True)  # fmt: skip
     ref = np.asarray(jax.nn.log_softmax(lg[0], axis=-1))
+    # The contiguous path keeps float32 K/V; a float16 pool (the CPU default, jaxinfer.device) rounds them: up to
+    # 3.8e-3 apart over these 150 positions (a float32 pool: under 1e-4). A misplaced chunk or row is off by far more.
+    tol = 1e-4 if runner.kv[0][0].dtype == np.float32 else 1e-2
     for p in range(1, len(prompt)):
-        assert plp[p][prompt[p]] == pytest.approx(float(ref[p - 1, prompt[p]]), abs=1e-4)
+        assert plp[p][prompt[p]] == pytest.approx(float(ref[p - 1, prompt[p]]), abs=tol)
         top2 = np.argsort(-ref[p - 1])[:2]
         assert set(top2) <= set(plp[p])
 
