@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
+import importlib.util
 import logging
 import os
 import threading
@@ -45,6 +47,19 @@ def num_threads() -> int:
     without importing numba."""
     value = os.environ.get("NUMBA_NUM_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else (os.cpu_count() or 1)
+
+
+@functools.cache
+def load_failure(module: str) -> str | None:
+    """Why the numba kernel module `module` cannot load in this process (None: it loaded): numba missing, or the
+    module's import failing (ValueError: numba found no thread-safe threading layer)."""
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed"
+    try:
+        importlib.import_module(module)
+    except (ImportError, ValueError) as e:
+        return f"the numba kernel did not load ({type(e).__name__}: {e})"
+    return None
 
 
 @functools.cache

@@ -12,7 +12,6 @@ YNNPACK's order, so that a sequence's logits are the same alone (one-row decode 
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +26,11 @@ MAX_ROWS = 8  # rows per call (the kernel's vector lanes)
 def unavailable() -> str | None:
     """Why the kernel cannot run in this process (None: it can, and its handler is registered with XLA). The first
     call imports numba and loads the handler from numba's cache, or builds it (once per machine)."""
-    if importlib.util.find_spec("numba") is None:
-        return "numba is not installed"
-    try:
-        from kernels_pallas import project_cpu_numba
-    except (ImportError, ValueError) as e:  # ValueError: numba found no thread-safe threading layer
-        return f"the numba kernel did not load ({type(e).__name__}: {e})"
+    reason = numba_ffi.load_failure("kernels_pallas.project_cpu_numba")
+    if reason is not None:
+        return reason
+    from kernels_pallas import project_cpu_numba
+
     numba_ffi.register(TARGET, project_cpu_numba.handler)
     return None
 

@@ -21,8 +21,6 @@ rows with no keys give zeros).
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import logging
 import subprocess
 import sys
@@ -169,15 +167,8 @@ def _join_prebuild(key: tuple[int, str]) -> None:
                          child.returncode, " | ".join(tail))  # fmt: skip
 
 
-@functools.cache
 def _numba_missing() -> str | None:
-    if importlib.util.find_spec("numba") is None:
-        return "numba is not installed"
-    try:
-        from kernels_pallas import ragged_cpu_numba  # noqa: F401
-    except (ImportError, ValueError) as e:  # ValueError: numba found no thread-safe threading layer
-        return f"the numba kernel did not load ({type(e).__name__}: {e})"
-    return None
+    return numba_ffi.load_failure("kernels_pallas.ragged_cpu_numba")
 
 
 def check_supported(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array | None = None) -> None:

@@ -159,8 +159,8 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     """x f[..., *in] times a kernel stored output-major, w f[*out, *in] (PyTorch's Linear layout), -> f[..., *out].
 
     On XLA:CPU a row's result does not depend on how many rows share the product (batch invariance: a seeded
-    request samples the same tokens alone and batched, tests/model/test_batch_invariance.py). XLA's library dot
-    (YNNPACK) sums every output of x @ W^T in one order for 2 rows and more, given an output count that is a
+    request samples the same tokens alone and batched; tests/engine/test_llm.py, tests/model/test_project.py). XLA's
+    library dot (YNNPACK) sums every output of x @ W^T in one order for 2 rows and more, given an output count that is a
     multiple of 16, and so do the forms below (benchmarks/README.md, "batch-invariant projections"):
     - 1-8 rows of float32: `kernels_pallas.project_cpu`, a kernel that sums in that order, at the pace the weights
       stream from memory (XLA's one-row forms, a fused loop and Eigen's GEMV, sum in other orders; YNNPACK itself
