@@ -42,7 +42,7 @@ _OUTPUTS = 8
 _FN = "jaxinfer_project_rows8"
 # One row: outputs per pass, one chain of eight lanes. Two chains over 16 rows read side by side ran slower from
 # memory (one core: 12 GB/s against 16).
-_ROW1_OUTPUTS = 8
+_ROW1_OUTPUTS = LANES
 _ROW1_FN = "jaxinfer_project_row1"
 
 
@@ -121,7 +121,6 @@ def _row1_function(module):
     x, w, out, k, k0, k1, first = fn.args
     fma = module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(v8, [v8, v8, v8]))
     prefetch = module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
-    groups = _ROW1_OUTPUTS // LANES
     b = ir.IRBuilder(fn.append_basic_block("entry"))
 
     def c64(v):
@@ -156,11 +155,9 @@ def _row1_function(module):
     loop, rest_bb = fn.append_basic_block("tiles"), fn.append_basic_block("rest")
     b.cbranch(b.icmp_signed("<", k0, whole), loop, rest_bb)
     b.position_at_end(loop)
-    i = b.phi(i64)
+    i, acc = b.phi(i64), b.phi(v8)
     i.add_incoming(k0, entry)
-    accs = [b.phi(v8) for _ in range(groups)]
-    for a in accs:
-        a.add_incoming(zero, entry)
+    acc.add_incoming(zero, entry)
     # Every other tile (16 inputs: a 64-byte line of each row), fetch the next outputs' kernel rows in memory order:
     # by the end of a pass the next block is in cache (rows read side by side outran the hardware's prefetchers).
     with b.if_then(b.icmp_signed("==", b.and_(i, c64(15)), c64(0))):
@@ -168,57 +165,40 @@ def _row1_function(module):
         for line in range(_ROW1_OUTPUTS):
             at = b.gep(w, [b.add(ahead, c64(16 * line))])
             b.call(prefetch, [b.bitcast(at, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-    xs = [splat(b.gep(x, [b.add(i, c64(t))])) for t in range(8)]
-    tiles = []
-    for g in range(groups):
-        rows = [b.load(b.bitcast(row_ptr(g * LANES + j, i), v8.as_pointer()), align=4) for j in range(LANES)]
-        tiles.append(transpose(rows))
-    new = list(accs)
-    for t in range(8):  # inputs in order; the groups' chains interleaved
-        for g in range(groups):
-            new[g] = b.call(fma, [tiles[g][t], xs[t], new[g]])
+    tile = transpose([b.load(b.bitcast(row_ptr(j, i), v8.as_pointer()), align=4) for j in range(LANES)])
+    new = acc
+    for t in range(8):  # the tile's inputs in order
+        new = b.call(fma, [tile[t], splat(b.gep(x, [b.add(i, c64(t))])), new])
     nxt = b.add(i, c64(8))
     i.add_incoming(nxt, b.block)
-    for a, v in zip(accs, new, strict=True):
-        a.add_incoming(v, b.block)
+    acc.add_incoming(new, b.block)
     loop_end = b.block
     b.cbranch(b.icmp_signed("<", nxt, whole), loop, rest_bb)
     b.position_at_end(rest_bb)  # the last k1 - whole inputs, one at a time (lanes gathered)
-    accs_in = [b.phi(v8) for _ in range(groups)]
-    for a, v in zip(accs_in, new, strict=True):
-        a.add_incoming(zero, entry)
-        a.add_incoming(v, loop_end)
-    accs = list(accs_in)
+    tiled = b.phi(v8)
+    tiled.add_incoming(zero, entry)
+    tiled.add_incoming(new, loop_end)
     rest_entry = b.block
     one, end_bb = fn.append_basic_block("one"), fn.append_basic_block("store")
     b.cbranch(b.icmp_signed("<", whole, k1), one, end_bb)
     b.position_at_end(one)
-    j = b.phi(i64)
+    j, cur = b.phi(i64), b.phi(v8)
     j.add_incoming(whole, rest_entry)
-    cur = [b.phi(v8) for _ in range(groups)]
-    for a, v in zip(cur, accs, strict=True):
-        a.add_incoming(v, rest_entry)
-    xj = splat(b.gep(x, [j]))
-    upd = []
-    for g in range(groups):
-        col = ir.Constant(v8, ir.Undefined)
-        for lane in range(LANES):
-            col = b.insert_element(col, b.load(row_ptr(g * LANES + lane, j)), ir.Constant(i32, lane))
-        upd.append(b.call(fma, [col, xj, cur[g]]))
+    cur.add_incoming(tiled, rest_entry)
+    col = ir.Constant(v8, ir.Undefined)
+    for lane in range(LANES):
+        col = b.insert_element(col, b.load(row_ptr(lane, j)), ir.Constant(i32, lane))
+    upd = b.call(fma, [col, splat(b.gep(x, [j])), cur])
     nj = b.add(j, c64(1))
     j.add_incoming(nj, b.block)
-    for a, v in zip(cur, upd, strict=True):
-        a.add_incoming(v, b.block)
+    cur.add_incoming(upd, b.block)
     b.cbranch(b.icmp_signed("<", nj, k1), one, end_bb)
     b.position_at_end(end_bb)
-    final = [b.phi(v8) for _ in range(groups)]
-    for a, v0, v1 in zip(final, accs, upd, strict=True):
-        a.add_incoming(v0, rest_entry)
-        a.add_incoming(v1, one)
-    is_first = b.icmp_signed("!=", first, c64(0))
-    for g, v in enumerate(final):
-        dst = b.bitcast(b.gep(out, [c64(g * LANES)]), v8.as_pointer())
-        b.store(b.select(is_first, v, b.fadd(b.load(dst, align=4), v)), dst, align=4)
+    final = b.phi(v8)
+    final.add_incoming(tiled, rest_entry)
+    final.add_incoming(upd, one)
+    dst = b.bitcast(out, v8.as_pointer())
+    b.store(b.select(b.icmp_signed("!=", first, c64(0)), final, b.fadd(b.load(dst, align=4), final)), dst, align=4)
     b.ret_void()
     return fn
 
