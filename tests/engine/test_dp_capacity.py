@@ -53,6 +53,7 @@ def test_unequal_replicas_route_by_capacity(monkeypatch):
             done.setdefault(u.request_id, []).extend(u.new_token_ids)
     assert len(done[small]) == len(done[large]) == 20
     assert all(e.allocator.num_free == e.allocator.num_pages for e in eng.replicas)
+
     # Each replica keeps its prompt's full pages in its prefix cache, until reset_prefix_cache drops them on all.
     def cached() -> list[int]:
         found = []
