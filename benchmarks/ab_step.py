@@ -19,6 +19,8 @@ Variants (comma list; the first is the baseline):
 - `no_attention`, `no_kv_write`, `argmax_sampler`: ablations, patched in at trace time: attention returns its
   queries, the K/V write leaves the pools as they are, the sampler is a plain argmax. What a part of the step
   costs is the baseline minus the ablation (an ablated step computes different tokens: timing only);
+- `attention_threads=N`: the numba attention kernel's parallel loop on N threads (its default: NUMBA_NUM_THREADS,
+  else the cores);
 - `impl=NAME`: the attention implementation the dispatcher starts from (`kernels_pallas.IMPLS`): `impl=cpu_jnp` is
   the jnp path instead of the numba kernel;
 - `cpu.NAME=VALUE`: a module constant of `kernels_pallas.cpu` (the jnp CPU attention's tuning) set while tracing,
@@ -63,7 +65,7 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
     import kernels_pallas
     from jaxinfer.engine import runner
     from jaxinfer.model import layers, scanned
-    from kernels_pallas import cpu
+    from kernels_pallas import cpu, numba_ffi
 
     constants = {"cpu": cpu, "layers": layers}  # modules whose constants a `MODULE.NAME=VALUE` part sets
 
@@ -77,6 +79,9 @@ def patched(parts: Sequence[str]) -> Iterator[None]:
             changes.append((runner, "sample", _argmax_sample))
         elif part == "separate_gate_up":  # read when an engine is built (run_batch), not at trace time
             changes.append((scanned, "FUSE_GATE_UP", False))
+        elif part.startswith("attention_threads="):  # the numba attention kernel's threads (read at trace time)
+            threads = int(part.partition("=")[2])
+            changes.append((numba_ffi, "num_threads", lambda n=threads: n))
         elif part.startswith("impl="):
             if part[5:] not in kernels_pallas.IMPLS:
                 raise ValueError(f"--variants: {part!r}: expected one of {kernels_pallas.IMPLS}")

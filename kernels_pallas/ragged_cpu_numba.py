@@ -12,11 +12,11 @@ difference). Each handler compiles only when a model needs it: building both at 
 Full 16-key pages of decode tokens at head dim 64 go through a few hundred lines of LLVM vector IR
 (`_page_function`) instead of the numba loops: see the comment above it. They add ~4 s to the 64 handler's build.
 
-Each handler exists for float32 and for float16 pools (`--kv-cache-dtype float16`; float32 is the default, see
-jaxinfer.device.resolve_kv_cache_dtype). numba has no float16 on CPU, so a float16 pool is read as its bits
-(uint16) and every load of a K or V element widens it (`_kv`; F16C's vcvtph2ps once vectorized); queries,
-scores and accumulators stay float32. Reading half the bytes, a 128-row decode's attention ran 1.47x faster alone
-(30 layers' pools, cold) and 1.26x in the step (benchmarks/README.md).
+Each handler exists for float32 and for float16 pools (float16 is the CPU default for a float32 model,
+`--kv-cache-dtype float32` the other: jaxinfer.device.resolve_kv_cache_dtype). numba has no float16 on CPU, so a
+float16 pool is read as its bits (uint16) and every load of a K or V element widens it (`_kv`; F16C's vcvtph2ps
+once vectorized); queries, scores and accumulators stay float32. Reading half the bytes, a 128-row decode's
+attention ran 1.47x faster alone (30 layers' pools, cold) and 1.26x in the step (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -186,17 +186,26 @@ def _dim(head_dim, q):
 
 
 # ---- a decode item's full page as LLVM vector IR (head dim 64, 16-key pages, no soft-cap) ----------------------------
-# The numba loops of _decode_item read a 128-row decode's live pages at ~14.5 GB/s, where a plain read of the same
-# pages streams ~25 and reading each key's K and V rows side by side ~32 (AVX2 EPYC, benchmarks/README.md): their
-# P.V read each key row of V in one strided piece per head, and their per-score horizontal sums kept them
-# compute-bound besides. This path reads page p's K rows beside page p - 1's V rows, key by key in memory order,
-# scores all of an item's rows at once with the rows in vector lanes (one transposing reduction per 8 rows), and
-# runs the online softmax on those lanes. A 128-row decode step: attention 1.27x, the step 1.07x (`ab_step`, paired).
-# It is emitted here, in this file, because numba's cache is keyed by this file's contents alone.
-
-_PAGE_LANES = 8  # float32 lanes of a vector: rows per chunk of scores
+# The numba loops of _decode_item are compute-bound on this work: a per-score horizontal sum, and a P.V that loads
+# and stores every accumulator at every key. This path takes a whole page of 16 keys for each KV head of an item, up
+# to four of the head's query rows at a time (a GQA group shares each K and V row it loads):
+# - Q.K: each key's K row is loaded (and widened from float16) once for the rows, and each row's products stay an
+#   unreduced vector; one transposing reduction per 8 keys then gives a row's scores with the keys in lanes;
+# - the online softmax runs on those two vectors per row (a running max and sum per row, the rescale of acc folded
+#   into the P.V);
+# - P.V: one 8-float slice of the head dim at a time, the rows' accumulators held in registers over the 16 keys
+#   (two chains each), so acc is loaded and stored once a page.
+# Keys are scored in memory order (each key's K rows for all the item's heads, then the next key's), and the next
+# page's K and V rows are prefetched into L2 meanwhile: the pool is read cold (one layer's K/V is tens of MB), and
+# with pages in allocation order a head-by-head walk over the page ran 0.84x. Against the form before it (rows in
+# lanes, page p's K rows read beside page p - 1's V rows, acc loaded and stored at every key), paired in one
+# process on the engine's recorded steps over a float16 pool: the attention 1.56x at 16 rows, 1.07x at 128; over a
+# float32 pool 1.02x at 16 rows and 0.80x at 128, where reading K and V side by side streamed better
+# (benchmarks/README.md). It is emitted here, in this file, because numba's cache is keyed by this file's contents.
 _PAGE_D = 64  # the head dim the IR path is written for (the specialized handler's)
-_PAGE_SLOT = (_KEY_BLOCK + 1) * _PAGE_LANES  # one chunk's scratch: 16 score vectors, then the rescale factor
+_PAGE_ROWS = 4  # query rows of a KV head taken at once (a group of more is taken four at a time)
+_PROBS = _KEY_BLOCK * 8  # a row's scratch: 16 unreduced product vectors, then its probabilities, then the rescale
+_PAGE_SCRATCH_ROW = _PROBS + _KEY_BLOCK + 8
 _PAGE_FN = "jaxinfer_decode_page_d64"
 
 
@@ -222,15 +231,14 @@ class _IRLoop:
 
 
 def _page_function(module, half: bool):  # noqa: C901 (one straight IR emitter)
-    """Emits `void page(q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines,
-    key_stride, flags)` into the module (once per pool dtype); the pointers are f32*, koff i64*, and k, v_prev and
-    k_next point into the pools: f16* (as i16*) when `half`.
+    """Emits `void page(q, k, v, acc, run_max, run_sum, scratch, k_next, v_next, heads, group, key_stride, prefetch)`
+    into the module (once per pool dtype): one full page of 16 keys for `heads` KV heads of `group` query rows each.
 
-    flags & 1: page k's Q.K (scores into `probs`, chunk-major: [chunk][key][lane]) and its online softmax (run_max,
-    run_sum and acc rescaled; the probabilities replace the scores). flags & 2: the previous page's P.V (v_prev, its
-    probabilities in `probs_prev`) into acc. Both run in one pass over the keys, K and V rows side by side.
-    q f32[rows, 64] scaled, acc f32[rows, 64]; run_max and run_sum f32[>= rows rounded up to 8]; koff: each row's KV
-    head offset in a key row (elements); lines: 64-byte lines of the next page's K rows to prefetch per key."""
+    q f32[heads * group, 64] (scaled), acc f32[heads * group, 64], run_max and run_sum f32[heads * group] (the
+    online softmax's running max and sum per row); scratch f32[heads * group * _PAGE_SCRATCH_ROW]. k and v point at
+    the page's first key row, at the item's first head, in the pools (f16* as i16* when `half`), a key row
+    `key_stride` elements long; k_next and v_next the same for the next page, whose rows are prefetched when
+    `prefetch` is nonzero."""
     name = _PAGE_FN + ("_f16" if half else "")
     fn = module.globals.get(name)
     if fn is not None:
@@ -239,16 +247,17 @@ def _page_function(module, half: bool):  # noqa: C901 (one straight IR emitter)
     v8, v8i = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
     fp, i8p = f32.as_pointer(), ir.IntType(8).as_pointer()
     pool = ir.IntType(16).as_pointer() if half else fp
-    args = [fp, pool, pool, i64.as_pointer(), i64, fp, fp, fp, fp, fp, pool, i64, i64, i64]
+    args = [fp, pool, pool, fp, fp, fp, fp, pool, pool, i64, i64, i64, i64]
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
     fn.linkage = "internal"
-    q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines, ks, flags = fn.args
+    q, k, v, acc, run_max, run_sum, scratch, k_next, v_next, heads, group, ks, pf = fn.args
     fma = module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(v8, [v8, v8, v8]))
     vmax = module.declare_intrinsic("llvm.maxnum.v8f32", fnty=ir.FunctionType(v8, [v8, v8]))
     vfloor = module.declare_intrinsic("llvm.floor.v8f32", fnty=ir.FunctionType(v8, [v8]))
     prefetch = module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     fast = ("fast",)
+    lines = 2 if half else 4  # 64-byte lines of one head's K (or V) row
 
     def c64(x):
         return ir.Constant(i64, x)
@@ -274,12 +283,12 @@ def _page_function(module, half: bool):  # noqa: C901 (one straight IR emitter)
     def vstore(x, ptr):
         b.store(x, b.bitcast(ptr, v8.as_pointer()), align=4)
 
-    def splat(ptr):
-        x = b.insert_element(ir.Constant(v8, ir.Undefined), b.load(ptr), ir.Constant(i32, 0))
+    def splat(x):  # a float -> 8 lanes of it
+        x = b.insert_element(ir.Constant(v8, ir.Undefined), x, ir.Constant(i32, 0))
         return shuf(x, x, [0] * 8)
 
-    def prefetch_l2(ptr):
-        b.call(prefetch, [b.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+    def lane0(x):
+        return b.extract_element(x, ir.Constant(i32, 0))
 
     def vexp(x):  # _exp on 8 lanes
         x = b.call(vmax, [x, c8(-87.0)], fastmath=fast)
@@ -295,99 +304,117 @@ def _page_function(module, half: bool):  # noqa: C901 (one straight IR emitter)
     def hadd(x, y):  # pairwise sums of x and y, per 128-bit half (vhaddps)
         return b.fadd(shuf(x, y, [0, 2, 8, 10, 4, 6, 12, 14]), shuf(x, y, [1, 3, 9, 11, 5, 7, 13, 15]), flags=fast)
 
-    def lane_sums(vectors):  # up to 8 vectors -> one whose lane i is the sum of vectors[i]
-        x = vectors + [c8(0.0)] * (8 - len(vectors))
-        t = [hadd(x[0], x[1]), hadd(x[2], x[3]), hadd(x[4], x[5]), hadd(x[6], x[7])]
+    def lane_sums(vectors):  # 8 vectors -> one whose lane i is the sum of vectors[i]
+        t = [hadd(vectors[0], vectors[1]), hadd(vectors[2], vectors[3]), hadd(vectors[4], vectors[5]),
+             hadd(vectors[6], vectors[7])]  # fmt: skip
         u0, u1 = hadd(t[0], t[1]), hadd(t[2], t[3])
         return b.fadd(shuf(u0, u1, [0, 1, 2, 3, 8, 9, 10, 11]), shuf(u0, u1, [4, 5, 6, 7, 12, 13, 14, 15]), flags=fast)
 
-    def slot(r, extra):  # the scratch float of row r at float offset `extra` within its chunk's lane layout
-        return b.add(b.add(b.mul(b.sdiv(r, c64(8)), c64(_PAGE_SLOT)), extra), b.srem(r, c64(8)))
+    def across(x, op):  # every lane: op over x's 8 lanes
+        for idx in ([4, 5, 6, 7, 0, 1, 2, 3], [2, 3, 0, 1, 6, 7, 4, 5], [1, 0, 3, 2, 5, 4, 7, 6]):
+            x = op(x, shuf(x, x, idx))
+        return x
 
-    do_qk = b.icmp_signed("!=", b.and_(flags, c64(1)), c64(0))
-    do_pv = b.icmp_signed("!=", b.and_(flags, c64(2)), c64(0))
-    chunks = b.sdiv(b.add(rows, c64(7)), c64(8))
-    keys = _IRLoop(b, fn, c64(0), c64(_KEY_BLOCK), "key")
-    j = keys.i
-    jo = b.mul(j, ks)
-    with b.if_then(do_qk):
-        pf = _IRLoop(b, fn, c64(0), lines, "prefetch")
-        prefetch_l2(at(k_next, jo, b.mul(pf.i, c64(32 if half else 16))))  # a 64-byte line
-        pf.close()
-        chunk = _IRLoop(b, fn, c64(0), chunks, "chunk")
-        r0 = b.mul(chunk.i, c64(8))
-        n = b.sub(rows, r0)
-        n = b.select(b.icmp_signed(">", n, c64(8)), c64(8), n)
-        dst = at(probs, b.mul(chunk.i, c64(_PAGE_SLOT)), b.mul(j, c64(8)))
-        done = fn.append_basic_block("qk_done")
+    def vmax2(x, y):
+        return b.call(vmax, [x, y], fastmath=fast)
+
+    def vadd2(x, y):
+        return b.fadd(x, y, flags=fast)
+
+    def row_scratch(r, offset):  # row r's scratch: 16 unreduced product vectors, 16 probabilities, the rescale
+        return at(scratch, b.mul(r, c64(_PAGE_SCRATCH_ROW)), c64(offset))
+
+    def subgroups(name, body):  # body(first row, row count) for each KV head's rows, up to _PAGE_ROWS at a time
+        head = _IRLoop(b, fn, c64(0), heads, name)
+        sub = _IRLoop(b, fn, c64(0), b.sdiv(b.add(group, c64(_PAGE_ROWS - 1)), c64(_PAGE_ROWS)), name + "_sub")
+        first = b.add(b.mul(head.i, group), b.mul(sub.i, c64(_PAGE_ROWS)))
+        n = b.sub(group, b.mul(sub.i, c64(_PAGE_ROWS)))
+        n = b.select(b.icmp_signed(">", n, c64(_PAGE_ROWS)), c64(_PAGE_ROWS), n)
+        done = fn.append_basic_block(name + "_done")
         switch = b.switch(n, done)
-        for count in range(1, 9):  # the chunk's row count, unrolled
-            block = fn.append_basic_block(f"qk{count}")
+        for count in range(1, _PAGE_ROWS + 1):  # the row count, unrolled
+            block = fn.append_basic_block(f"{name}{count}")
             switch.add_case(c64(count), block)
             b.position_at_end(block)
-            sums = []
-            for i in range(count):
-                row = b.add(r0, c64(i))
-                kr, qr = at(k, jo, b.load(at(koff, row))), at(q, b.mul(row, c64(_PAGE_D)))
-                # two accumulators: eight dependent FMAs would be latency-bound
-                a0 = b.fmul(vload(qr), vload_kv(kr), flags=fast)
-                a1 = b.fmul(vload(at(qr, c64(8))), vload_kv(at(kr, c64(8))), flags=fast)
-                for c in range(16, _PAGE_D, 16):
-                    a0 = b.call(fma, [vload(at(qr, c64(c))), vload_kv(at(kr, c64(c))), a0])
-                    a1 = b.call(fma, [vload(at(qr, c64(c + 8))), vload_kv(at(kr, c64(c + 8))), a1])
-                sums.append(b.fadd(a0, a1, flags=fast))
-            vstore(lane_sums(sums), dst)
+            body(head.i, [b.add(first, c64(i)) for i in range(count)])
             b.branch(done)
         b.position_at_end(done)
-        chunk.close()
-    with b.if_then(do_pv):  # acc[r] += p[r, j] * v_prev[j, head(r)]: the key's V row for all heads, in order
-        pv = _IRLoop(b, fn, c64(0), rows, "pv")
-        r = pv.i
-        p = splat(at(probs_prev, slot(r, b.mul(j, c64(8)))))
-        vr, ar = at(v_prev, jo, b.load(at(koff, r))), at(acc, b.mul(r, c64(_PAGE_D)))
-        for c in range(0, _PAGE_D, 8):
-            vstore(b.call(fma, [p, vload_kv(at(vr, c64(c))), vload(at(ar, c64(c)))]), at(ar, c64(c)))
-        pv.close()
+        sub.close()
+        head.close()
+
+    # Q.K, keys in memory order (each key's K rows of all the item's heads, then the next key's): each K row loaded
+    # once for its head's rows; a row's products with key j stay unreduced (row_scratch(r, 8 j)).
+    keys = _IRLoop(b, fn, c64(0), c64(_KEY_BLOCK), "qk")
+    jo = b.mul(keys.i, ks)
+    with b.if_then(b.icmp_signed("!=", pf, c64(0))):
+        fetch = _IRLoop(b, fn, c64(0), b.mul(heads, c64(lines)), "prefetch")  # the next page's key j, K and V
+        for nxt in (k_next, v_next):
+            line = b.bitcast(at(nxt, jo, b.mul(fetch.i, c64(32 if half else 16))), i8p)
+            b.call(prefetch, [line, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        fetch.close()
+
+    def qk(h, rows):
+        kr = at(k, jo, b.mul(h, c64(_PAGE_D)))
+        kvec = [vload_kv(at(kr, c64(c))) for c in range(0, _PAGE_D, 8)]
+        for r in rows:
+            qr = at(q, b.mul(r, c64(_PAGE_D)))
+            # two chains of four: eight dependent FMAs would be latency-bound
+            a0 = b.fmul(vload(qr), kvec[0], flags=fast)
+            a1 = b.fmul(vload(at(qr, c64(8))), kvec[1], flags=fast)
+            for c in range(2, _PAGE_D // 8, 2):
+                a0 = b.call(fma, [vload(at(qr, c64(8 * c))), kvec[c], a0])
+                a1 = b.call(fma, [vload(at(qr, c64(8 * c + 8))), kvec[c + 1], a1])
+            vstore(b.fadd(a0, a1, flags=fast), at(row_scratch(r, 0), b.mul(keys.i, c64(8))))
+
+    subgroups("qk_head", qk)
     keys.close()
-    with b.if_then(do_qk):  # the page's online softmax, rows in lanes
-        chunk = _IRLoop(b, fn, c64(0), chunks, "softmax")
-        r0 = b.mul(chunk.i, c64(8))
-        base = at(probs, b.mul(chunk.i, c64(_PAGE_SLOT)))
-        scores = [vload(at(base, c64(8 * jj))) for jj in range(_KEY_BLOCK)]
-        m_old = vload(at(run_max, r0))
-        top = scores[0]
-        for s in scores[1:]:
-            top = b.call(vmax, [top, s], fastmath=fast)
-        m_new = b.call(vmax, [m_old, top], fastmath=fast)
-        total = None
-        for jj, s in enumerate(scores):
-            e = vexp(b.fsub(s, m_new, flags=fast))
-            vstore(e, at(base, c64(8 * jj)))
-            total = e if total is None else b.fadd(total, e, flags=fast)
-        corr = vexp(b.fsub(m_old, m_new, flags=fast))  # 1 where the max holds; ~0 on the first page
-        vstore(corr, at(base, c64(8 * _KEY_BLOCK)))
-        vstore(m_new, at(run_max, r0))
-        vstore(b.call(fma, [vload(at(run_sum, r0)), corr, total]), at(run_sum, r0))
-        chunk.close()
-        rescale = _IRLoop(b, fn, c64(0), rows, "rescale")
-        r = rescale.i
-        c_r = splat(at(probs, slot(r, c64(8 * _KEY_BLOCK))))
-        ar = at(acc, b.mul(r, c64(_PAGE_D)))
-        for c in range(0, _PAGE_D, 8):
-            vstore(b.fmul(vload(at(ar, c64(c))), c_r, flags=fast), at(ar, c64(c)))
-        rescale.close()
+    # the online softmax per row, keys in lanes: scores, new max, probabilities, the running sum, the rescale
+    each = _IRLoop(b, fn, c64(0), b.mul(heads, group), "softmax")
+    r = each.i
+    s0 = lane_sums([vload(row_scratch(r, 8 * j)) for j in range(8)])
+    s1 = lane_sums([vload(row_scratch(r, 8 * j)) for j in range(8, 16)])
+    m_old = splat(b.load(at(run_max, r)))
+    m_new = vmax2(m_old, across(vmax2(s0, s1), vmax2))
+    e0, e1 = vexp(b.fsub(s0, m_new, flags=fast)), vexp(b.fsub(s1, m_new, flags=fast))
+    vstore(e0, row_scratch(r, _PROBS))
+    vstore(e1, row_scratch(r, _PROBS + 8))
+    corr = vexp(b.fsub(m_old, m_new, flags=fast))  # 1 where the max holds; ~0 on the first page
+    vstore(corr, row_scratch(r, _PROBS + _KEY_BLOCK))
+    total = across(b.fadd(e0, e1, flags=fast), vadd2)
+    b.store(lane0(b.call(fma, [splat(b.load(at(run_sum, r))), corr, total])), at(run_sum, r))
+    b.store(lane0(m_new), at(run_max, r))
+    each.close()
+
+    # P.V: acc = acc * rescale + p . V, an 8-float slice of the head dim at a time, the rows' accumulators held in
+    # registers over the page's keys (two chains each)
+    def pv(h, rows):
+        dims = _IRLoop(b, fn, c64(0), c64(_PAGE_D // 8), "pv_dims")
+        d0 = b.mul(dims.i, c64(8))
+        arow = [at(acc, b.mul(r, c64(_PAGE_D)), d0) for r in rows]
+        rescale = [vload(row_scratch(r, _PROBS + _KEY_BLOCK)) for r in rows]
+        even = [b.fmul(vload(a), c, flags=fast) for a, c in zip(arow, rescale, strict=True)]
+        odd = [c8(0.0)] * len(rows)
+        vh = at(v, b.mul(h, c64(_PAGE_D)), d0)
+        for j in range(_KEY_BLOCK):
+            val = vload_kv(at(vh, b.mul(c64(j), ks)))
+            chains = even if j % 2 == 0 else odd
+            for i, r in enumerate(rows):
+                chains[i] = b.call(fma, [splat(b.load(row_scratch(r, _PROBS + j))), val, chains[i]])
+        for i, a in enumerate(arow):
+            vstore(b.fadd(even[i], odd[i], flags=fast), a)
+        dims.close()
+
+    subgroups("pv_head", pv)
     b.ret_void()
     return fn
 
 
 @intrinsic
-def _decode_page(typingctx, pool, q, k, v_prev, koff, rows, acc, run_max, run_sum, probs, probs_prev, k_next, lines,
-                 ks, flags):  # fmt: skip
+def _decode_page(typingctx, pool, q, k, v, acc, run_max, run_sum, scratch, k_next, v_next, heads, group, ks, pf):
     """Calls `_page_function` (emitted into the caller's module once) for `pool`'s dtype (the K pool, for its type
     only). The arrays as addresses (`a.ctypes.data`)."""
     half = pool.dtype == types.uint16
-    sig = types.void(pool, *([types.uintp] * 4), types.int64, *([types.uintp] * 6), types.int64, types.int64,
-                     types.int64)  # fmt: skip
+    sig = types.void(pool, *([types.uintp] * 9), types.int64, types.int64, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
         fn = _page_function(builder.module, half)
@@ -457,24 +484,14 @@ def _pass_rows(r0, end, pad):
             r0 + 3 if r0 + 3 < end else pad + 3)  # fmt: skip
 
 
-@njit(fastmath=True, inline="always")
-def _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes, ks):
-    """The pending page's P.V alone (_decode_page with flags 2)."""
-    prev = probs.ctypes.data + held * half * 4
-    _decode_page(k, q.ctypes.data, k.ctypes.data, v.ctypes.data + pending * row_bytes + base, koff.ctypes.data,
-                 np.int64(rows), acc.ctypes.data, run_max.ctypes.data, run_sum.ctypes.data, prev, prev,
-                 k.ctypes.data, np.int64(0), ks, np.int64(2))  # fmt: skip
-
-
 @njit(fastmath=True, nogil=True, cache=True)
-def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim, koff, probs):
+def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_max, run_sum, head_dim, scratch):
     """One decode token's query rows for KV heads h0, h0 + 1, ...: q f32[rows, head_dim] (scaled; each KV head's
     `group` rows together), the token at position pos -> out f32[rows, head_dim].
 
-    Full pages of 16 keys at head dim 64 without soft-cap go through `_page_function` (the IR path): each call reads
-    page p's K rows beside page p - 1's V rows, so a page's P.V is pending until the next call (or a flush before a
-    page the loops below take, and at the end). koff i64[>= rows] and probs f32[>= 2 * ceil(rows / 8) * _PAGE_SLOT]
-    are its scratch; run_max and run_sum need rows rounded up to 8.
+    Full pages of 16 keys at head dim 64 without soft-cap go through `_page_function` (the IR path), with scratch
+    f32[rows * _PAGE_SCRATCH_ROW]; the pages it does not take (a window's or the context's partial ones), the
+    loops below. Both keep the same running max, sum and acc per row.
 
     One pass over the pages in order, each page's K rows then its V rows for all these heads (a page's K or V rows
     of consecutive heads are one contiguous block, read once), with an online softmax: a running max and sum per
@@ -489,18 +506,12 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
         out[:, :] = 0.0
         return
     acc[:rows, :] = 0.0
-    for r in range((rows + 7) // 8 * 8):  # the IR path's lanes past the rows too
+    for r in range(rows):
         run_max[r] = np.float32(-3.0e38)
         run_sum[r] = 0.0
     ir_path = head_dim == _PAGE_D and page_size == _KEY_BLOCK and cap <= 0
     num_kv_heads = k.shape[2]
-    for r in range(rows):
-        koff[r] = (r // group) * head_dim
     key_stride = np.int64(num_kv_heads * head_dim)
-    lines = np.int64((rows // group) * head_dim * k.itemsize // 64)  # the item's K rows of a key, in 64-byte lines
-    half = probs.shape[0] // 2  # two scratch buffers: this page's probabilities and the pending page's
-    pending = np.int64(-1)  # the page whose P.V is still to do
-    held = np.int64(0)  # the buffer holding its probabilities
     base = h0 * head_dim * k.itemsize  # bytes from a page's first key row to the item's first head
     row_bytes = page_size * key_stride * k.itemsize
     pad = rows  # past it, scratch rows for a pass's padding rows (_pass_rows)
@@ -515,17 +526,11 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
         nxt = min(max(table[pi + 1], 0), num_pages - 1) if has_next else page
         if ir_path and n == _KEY_BLOCK:
             _decode_page(k, q.ctypes.data, k.ctypes.data + page * row_bytes + base,
-                         v.ctypes.data + max(pending, 0) * row_bytes + base, koff.ctypes.data, np.int64(rows),
-                         acc.ctypes.data, run_max.ctypes.data, run_sum.ctypes.data,
-                         probs.ctypes.data + (1 - held) * half * 4, probs.ctypes.data + held * half * 4,
-                         k.ctypes.data + nxt * row_bytes + base, lines if has_next else np.int64(0), key_stride,
-                         np.int64(3 if pending >= 0 else 1))  # fmt: skip
-            pending, held = np.int64(page), 1 - held
+                         v.ctypes.data + page * row_bytes + base, acc.ctypes.data, run_max.ctypes.data,
+                         run_sum.ctypes.data, scratch.ctypes.data, k.ctypes.data + nxt * row_bytes + base,
+                         v.ctypes.data + nxt * row_bytes + base, np.int64(rows // group), np.int64(group),
+                         key_stride, np.int64(has_next))  # fmt: skip
             continue
-        if pending >= 0:  # the loops below need acc complete
-            _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes,
-                        key_stride)  # fmt: skip
-            pending = np.int64(-1)
         for j in range(j0, j1):
             jj = j - j0
             for hh in range(rows // group):
@@ -578,9 +583,6 @@ def _decode_item(q, group, k, v, table, pos, h0, out, window, cap, s, acc, run_m
                         r1, r2, r3 = _pass_rows(r0, end, pad)
                         c0, c1, c2, c3 = acc[r0], acc[r1], acc[r2], acc[r3]
                         _axpy4(c0, c1, c2, c3, s[r0, jj], s[r1, jj], s[r2, jj], s[r3, jj], val, head_dim)
-    if pending >= 0:
-        _flush_page(q, k, v, koff, rows, acc, run_max, run_sum, probs, pending, held, half, base, row_bytes,
-                    key_stride)  # fmt: skip
     for r in range(rows):
         inv = np.float32(1.0) / run_sum[r]
         for d in range(head_dim):
@@ -668,10 +670,9 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
     qb = np.empty((rows_max, hd), np.float32)
     ob = np.empty((rows_max, hd), np.float32)
     pos = np.empty(rows_max, np.int64)
-    run_max = np.empty(rows_max + _PAGE_LANES, np.float32)  # the IR path's lanes: rows rounded up to 8
-    run_sum = np.empty(rows_max + _PAGE_LANES, np.float32)
-    koff = np.empty(rows_max, np.int64)
-    probs = np.empty(2 * ((rows_max + _PAGE_LANES - 1) // _PAGE_LANES) * _PAGE_SLOT, np.float32)
+    run_max = np.empty(rows_max, np.float32)
+    run_sum = np.empty(rows_max, np.float32)
+    page_scratch = np.empty(rows_max * _PAGE_SCRATCH_ROW, np.float32)
     decode_splits = num_kv_heads // decode_heads
     decode_items = decodes * decode_splits
     for item in range(w, items, workers):
@@ -684,7 +685,7 @@ def _run_items(w, workers, items, decode_heads, q, k, v, table, blk_seq, blk_sta
                 for d in range(hd):
                     qb[r, d] = q[t, h0 * group + r, d] * scale
             _decode_item(qb[:rows], group, k, v, table[blk_seq[i]], blk_pos[i], h0, ob[:rows], window, cap, scores,
-                         acc, run_max, run_sum, head_dim, koff, probs)  # fmt: skip
+                         acc, run_max, run_sum, head_dim, page_scratch)  # fmt: skip
             for r in range(rows):
                 for d in range(hd):
                     out[t, h0 * group + r, d] = ob[r, d]
