@@ -208,21 +208,28 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     return y.reshape(*lead, *shape[:num_out])
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StackedSelect:
-    """One layer's kernel inside a loop over layers, as the whole stack f[L, *shape] and the traced layer index: the
-    CPU projection kernel reads the layer in place, where XLA would copy the slice out before a custom call reads it
-    (every attention projection of every layer, each step); the other forms slice it (`project`). `Linear` takes
-    one in place of an array (`jaxinfer.model.scanned` builds them)."""
-
-    stack: jax.Array
-    index: jax.Array  # i32[]
+class LayerKernel:
+    """One layer's kernel chosen inside a loop over layers by a traced index, which `Linear` takes in place of an
+    array (`jaxinfer.model.scanned` builds them) and projects with (`project`)."""
 
     def __getitem__(self, key):
         if key is not Ellipsis:
-            raise TypeError("a StackedSelect is read whole ([...]) by Linear")
+            raise TypeError(f"a {type(self).__name__} is read whole ([...]) by Linear")
         return self  # what `Param[...]` hands to Linear
+
+    def project(self, x: jax.Array, num_in: int) -> jax.Array:
+        raise NotImplementedError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedSelect(LayerKernel):
+    """One layer's kernel inside a loop over layers, as the whole stack f[L, *shape] and the traced layer index: the
+    CPU projection kernel reads the layer in place, where XLA would copy the slice out before a custom call reads it
+    (every attention projection of every layer, each step); the other forms slice it (`project`)."""
+
+    stack: jax.Array
+    index: jax.Array  # i32[]
 
     def project(self, x: jax.Array, num_in: int) -> jax.Array:
         return project(x, self, num_in)
@@ -230,21 +237,15 @@ class StackedSelect:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LayerSelect:
+class LayerSelect(LayerKernel):
     """One layer's kernel inside a loop over layers: per-layer arrays and the traced layer index.
 
     A loop over stacked weights slices each layer's kernel out of the stack, and XLA:CPU copies a dynamic slice
     before a matmul reads it (unrolled layers ran a batch-1 decode step 1.16x faster, benchmarks/README.md). A
-    `lax.switch` over the layers' own arrays runs each matmul on the parameter buffer itself. `Linear` takes one
-    in place of an array (`jaxinfer.model.scanned` builds them)."""
+    `lax.switch` over the layers' own arrays runs each matmul on the parameter buffer itself."""
 
     arrays: tuple[jax.Array, ...]
     index: jax.Array  # i32[]
-
-    def __getitem__(self, key):
-        if key is not Ellipsis:
-            raise TypeError("a LayerSelect is read whole ([...]) by Linear")
-        return self  # what `Param[...]` hands to Linear
 
     def project(self, x: jax.Array, num_in: int) -> jax.Array:
         branches = [lambda x, w=w: project(x, w, num_in, in_branch=True) for w in self.arrays]
@@ -286,7 +287,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.kernel[...]
-        y = w.project(x, self.num_in) if isinstance(w, (LayerSelect, StackedSelect)) else project(x, w, self.num_in)
+        y = w.project(x, self.num_in) if isinstance(w, LayerKernel) else project(x, w, self.num_in)
         return y if self.bias is None else y + self.bias[...]
 
 
