@@ -324,7 +324,7 @@ def _page_function(module, half: bool):  # noqa: C901 (one straight IR emitter)
     def row_scratch(r, offset):  # row r's scratch: 16 unreduced product vectors, 16 probabilities, the rescale
         return at(scratch, b.mul(r, c64(_PAGE_SCRATCH_ROW)), c64(offset))
 
-    def subgroups(name, body):  # body(first row, row count) for each KV head's rows, up to _PAGE_ROWS at a time
+    def subgroups(name, body):  # body(head, its rows) for each KV head, up to _PAGE_ROWS of its rows at a time
         head = _IRLoop(b, fn, c64(0), heads, name)
         sub = _IRLoop(b, fn, c64(0), b.sdiv(b.add(group, c64(_PAGE_ROWS - 1)), c64(_PAGE_ROWS)), name + "_sub")
         first = b.add(b.mul(head.i, group), b.mul(sub.i, c64(_PAGE_ROWS)))
