@@ -20,7 +20,7 @@ from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import enable_compilation_cache
 from jaxinfer.engine.timeline import StepTimeline
-from jaxinfer.host_memory import gc_paused, release_freed_memory
+from jaxinfer.host_memory import gc_paused, release_freed_memory, reuse_large_blocks
 from jaxinfer.model.protocol import check_model, is_entry_point, load_entry_point
 from jaxinfer.model_files import ModelNotFoundError, resolve_model_path
 from jaxinfer.sharding import make_mesh, place_module
@@ -38,6 +38,7 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
     `jaxinfer.device.DeviceUnavailableError` when jax initialised another backend; a user module that does not
     follow jaxinfer.model.protocol raises naming the missing part."""
     t0 = time.perf_counter()
+    reuse_large_blocks()  # before jax starts its CPU client's threads: a step's temporaries are then not remapped
     check_device(args.device)
     template = read_chat_template(args.chat_template) if args.chat_template is not None else None  # before loading
     if args.enable_compilation_cache:
