@@ -19,11 +19,12 @@ from collections.abc import Iterator
 
 
 @functools.cache
-def _malloc_trim():
+def _glibc(function: str):
+    """The C library's `function` (malloc_trim, mallopt), or None where libc lacks it (macOS, musl: not glibc)."""
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        return getattr(ctypes.CDLL(name), function) if name else None
+    except (OSError, AttributeError):
         return None
 
 
@@ -48,11 +49,7 @@ def reuse_large_blocks() -> bool:
     Whole only before jax starts its CPU client: each thread keeps the arena it first allocated from, and a thread
     of its own arena still maps blocks above 64 MiB. `build_engine` calls it first; a process that ran jax before
     gets the settings for its later threads only."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):  # no mallopt: not glibc
-        return False
+    mallopt = _glibc("mallopt")
     if mallopt is None:
         return False
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
@@ -62,7 +59,7 @@ def reuse_large_blocks() -> bool:
 def release_freed_memory() -> bool:
     """Collects garbage, then trims the C heap. True when libc supports it."""
     gc.collect()
-    trim = _malloc_trim()
+    trim = _glibc("malloc_trim")
     if trim is None:
         return False
     trim(0)
