@@ -114,10 +114,10 @@ def context_lengths(context: str, batch: int) -> list[int]:
 
 
 def recorded_step(loop: str, batch: int, context: str | int, shape: str | None,
-                  kv_dtype: str | None = None) -> tuple[Any, dict]:  # fmt: skip
+                  kv_dtype: str | None = None, temperature: float = 0.0) -> tuple[Any, dict]:  # fmt: skip
     """An engine with this layer loop (the default model, or random weights at `shape`) and KV pool dtype (None: the
-    weights'), `batch` rows decoding at ~`context` tokens (see `context_lengths`), and its last decode step's
-    recorded `paged_step` arguments."""
+    weights'), `batch` rows decoding at ~`context` tokens (see `context_lengths`) and sampling at `temperature`
+    (0: greedy), and its last decode step's recorded `paged_step` arguments."""
     from jaxinfer.types import SamplingParams
 
     lengths = context_lengths(str(context), batch)
@@ -127,7 +127,7 @@ def recorded_step(loop: str, batch: int, context: str | int, shape: str | None,
     args = bench_latency.parse_args(argv + (["--shape", shape, "--dtype", "float32"] if shape else []))
     engine = bench_latency.build_engine(args)
     rng = np.random.default_rng(0)
-    sp = SamplingParams(max_tokens=bench_latency.decode_tokens(args, batch), temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=bench_latency.decode_tokens(args, batch), temperature=temperature, ignore_eos=True)
     for n in lengths:
         engine.add_request(rng.integers(0, engine.cfg.vocab_size, n).tolist(), sp)
     with bench_latency.capture_steps() as calls:
@@ -176,6 +176,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--shape", choices=list(SHAPES), help="random f32 weights at this shape (default: the default model)"
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the rows' sampling temperature (0: greedy; > 0: every step draws, as the defaults do)",
+    )
     p.add_argument("--rounds", type=int, default=30, help="timed calls of each variant, round-robin")
     p.add_argument("--out", help="write the results as JSON here")
     return p.parse_args(argv)
@@ -195,7 +201,9 @@ def run_batch(batch: int, variants: list[str], args: argparse.Namespace) -> list
         if (loop, *built_as) not in engines:
             kv_dtype = next((p[3:] for p in built_as if p.startswith("kv=")), None)
             with patched(built_as):
-                engines[loop, *built_as] = recorded_step(loop, batch, args.context, args.shape, kv_dtype)
+                engines[loop, *built_as] = recorded_step(
+                    loop, batch, args.context, args.shape, kv_dtype, args.temperature
+                )
         runs.append(compiled_variant(*engines[loop, *built_as], parts)[0])
     for run in runs:  # warm: first calls touch fresh buffers
         run()

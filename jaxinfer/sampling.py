@@ -230,15 +230,17 @@ def _pick_skipping_draw(
     advanced variant everywhere, and the basic one (without `truncate`) where a conditional is evaluated on the
     device (CPU, TPU). x f32[S, V] processed logits, greedy bool[S] -> i32[S]."""
     zeros = jnp.zeros(x.shape[0], jnp.int32)
+    block_max = _block_max(x)  # shared by the argmax and the draw: one pass over the logits fewer
     draw = partial(_draw, truncate=truncate, topk_cap=topk_cap)
-    drawn = lax.cond(jnp.any(~greedy), draw, lambda *_: zeros, x, st, greedy)
-    return jnp.where(greedy, _argmax_rows(x), drawn)
+    drawn = lax.cond(jnp.any(~greedy), draw, lambda *_: zeros, x, st, greedy, block_max)
+    return jnp.where(greedy, _argmax_rows(x, block_max), drawn)
 
 
 def _pick_always_drawing(x: jax.Array, st: SamplingTensors, greedy: jax.Array) -> jax.Array:
     """The basic variant without a conditional (GPU: see the module's docstring); the same tokens as
     `_pick_skipping_draw`, row for row."""
-    return jnp.where(greedy, _argmax_rows(x), _draw(x, st, greedy, truncate=False))
+    block_max = _block_max(x)
+    return jnp.where(greedy, _argmax_rows(x, block_max), _draw(x, st, greedy, block_max, truncate=False))
 
 
 def compute_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -282,22 +284,34 @@ def _apply_penalties(x: jax.Array, st: SamplingTensors) -> jax.Array:
 
 
 def _draw(
-    x: jax.Array, st: SamplingTensors, greedy: jax.Array, *, truncate: bool, topk_cap: int = TOPK_CAP
+    x: jax.Array,
+    st: SamplingTensors,
+    greedy: jax.Array,
+    block_max: jax.Array,
+    *,
+    truncate: bool,
+    topk_cap: int = TOPK_CAP,
 ) -> jax.Array:
-    """Steps 5-8 for the non-greedy rows: x f32[S, V] processed logits, greedy bool[S] -> i32[S]. Without
-    `truncate` (the basic variant) top-k and top-p are not applied."""
+    """Steps 5-8 for the non-greedy rows: x f32[S, V] processed logits, greedy bool[S], block_max f32[S, NB]
+    (`_block_max(x)`) -> i32[S]. Without `truncate` (the basic variant) top-k and top-p are not applied."""
     vocab = x.shape[1]
-    x = x / jnp.where(greedy, 1.0, st.temperature)[:, None]
+    temperature = jnp.where(greedy, 1.0, st.temperature)[:, None]  # f32[S, 1]
+    # Dividing by a positive number is monotone, also once rounded: the row max of x / t is max(x) / t exactly.
+    row_max = jnp.max(block_max, axis=-1, keepdims=True) / temperature  # f32[S, 1]
     # min-p: keep p >= min_p * p_max, i.e. logit >= max + log(min_p); log(0) = -inf keeps everything.
-    floor = jnp.max(x, axis=-1) + jnp.log(st.min_p)  # f32[S]
-    x = jnp.where(x >= floor[:, None], x, _NEG_INF)
-    if truncate:
-        k_on = (st.top_k > 0) & (st.top_k < vocab)
-        rows = ~greedy & (k_on | (st.top_p < 1.0))  # bool[S]
-        x = lax.cond(jnp.any(rows), partial(_truncate, topk_cap=topk_cap), lambda x, *_: x, x, st, rows)
+    floor = row_max + jnp.log(st.min_p)[:, None]
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(st.seeds, st.counter)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # f32[S] in [0, 1)
-    return _inverse_cdf(x, u)
+    if not truncate:
+        # The basic variant never builds the scaled, masked [S, V] logits: the draw recomputes their masses block
+        # by block from x (a 128-row step of a 49k vocabulary would otherwise write and read 3 more 25 MB arrays).
+        return _inverse_cdf(x, u, _Masses(temperature, floor, row_max))
+    x = x / temperature
+    x = jnp.where(x >= floor, x, _NEG_INF)
+    k_on = (st.top_k > 0) & (st.top_k < vocab)
+    rows = ~greedy & (k_on | (st.top_p < 1.0))  # bool[S]
+    x = lax.cond(jnp.any(rows), partial(_truncate, topk_cap=topk_cap), lambda x, *_: x, x, st, rows)
+    return _inverse_cdf(x, u, _Masses.of_logits(row_max))  # truncation keeps the row max
 
 
 def _truncate(x: jax.Array, st: SamplingTensors, truncate: jax.Array, *, topk_cap: int) -> jax.Array:
@@ -412,33 +426,67 @@ def _blocks(a: jax.Array, fill: float) -> jax.Array:
     return a.reshape(num_rows, num_blocks, _BLOCK)
 
 
-def _argmax_rows(x: jax.Array) -> jax.Array:
-    """jnp.argmax(x, -1) for x f32[S, V] -> i32[S] (first index of the max), in two levels: XLA's CPU argmax over
-    a long row is ~10x slower than a max over blocks followed by an argmax inside the winning block."""
-    if x.shape[1] <= _BLOCK:
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    xb = _blocks(x, _NEG_INF)  # f32[S, NB, BLOCK]
-    block = jnp.argmax(jnp.max(xb, axis=-1), axis=-1)  # first block holding the row max
-    inner = jnp.take_along_axis(xb, block[:, None, None], axis=1)[:, 0]  # f32[S, BLOCK]
+def _block_max(x: jax.Array) -> jax.Array:
+    """The max of each _BLOCK-wide block of x f32[S, V] -> f32[S, ceil(V / _BLOCK)]."""
+    return jnp.max(_blocks(x, _NEG_INF), axis=-1)
+
+
+def _argmax_rows(x: jax.Array, block_max: jax.Array) -> jax.Array:
+    """jnp.argmax(x, -1) for x f32[S, V] -> i32[S] (first index of the max), in two levels from its block maxima
+    (`_block_max(x)`): XLA's CPU argmax over a long row is ~10x slower than a max over blocks followed by an
+    argmax inside the winning block."""
+    block = jnp.argmax(block_max, axis=-1)  # first block holding the row max
+    inner = _block_of(_blocks(x, _NEG_INF), block)  # f32[S, BLOCK]
     return (block * _BLOCK + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
 
 
-def _inverse_cdf(x: jax.Array, u: jax.Array) -> jax.Array:
-    """Draws from softmax(x) per row: x f32[S, V] (masked = -inf), u f32[S] uniform in [0, 1) -> i32[S].
+def _block_of(blocks: jax.Array, block: jax.Array) -> jax.Array:
+    """blocks f32[S, NB, BLOCK], block i32[S] -> each row's block f32[S, BLOCK]."""
+    return jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+
+
+@dataclass(frozen=True)
+class _Masses:
+    """Unnormalised probabilities of logits x: exp(x / temperature - row_max) where x / temperature >= floor, else
+    0. Every field is f32[S, 1], broadcast over a row's logits. Evaluated elementwise, so the same logit gives the
+    same mass in whichever slice of the row it is computed."""
+
+    temperature: jax.Array
+    floor: jax.Array
+    row_max: jax.Array
+
+    @staticmethod
+    def of_logits(row_max: jax.Array) -> _Masses:
+        """softmax's masses, exp(x - row_max), of final logits (masked ones -inf) whose row max is row_max."""
+        return _Masses(jnp.ones_like(row_max), jnp.full_like(row_max, _NEG_INF), row_max)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x f32[S, ...] -> f32[S, ...]."""
+        lead = (x.shape[0],) + (1,) * (x.ndim - 1)
+        y = x / self.temperature.reshape(lead)
+        return jnp.where(y >= self.floor.reshape(lead), jnp.exp(y - self.row_max.reshape(lead)), 0.0)
+
+
+def _inverse_cdf(x: jax.Array, u: jax.Array, masses: _Masses | None = None) -> jax.Array:
+    """Draws from the distribution `masses` gives the logits x f32[S, V] (None: softmax(x), x masked with -inf),
+    u f32[S] uniform in [0, 1) -> i32[S].
 
     Returns the first token whose cumulative mass exceeds u * total, found block by block so the scans are short.
-    A token with zero mass can never be that first token, so masked tokens are never drawn.
+    The masses are reduced per block as they are computed and recomputed for the one block a row's draw falls in,
+    so no [S, V] array of them is ever written. A token with zero mass can never be that first token, so masked
+    tokens are never drawn.
     """
     vocab = x.shape[1]
-    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # f32[S, V], masked tokens exactly 0
-    eb = _blocks(e, 0.0)  # f32[S, NB, BLOCK]
-    num_blocks = eb.shape[1]
-    block_cum = jnp.cumsum(jnp.sum(eb, axis=-1), axis=-1)  # f32[S, NB]
+    if masses is None:
+        masses = _Masses.of_logits(jnp.max(x, axis=-1, keepdims=True))
+    xb = _blocks(x, _NEG_INF)  # f32[S, NB, BLOCK]; -inf padding has zero mass
+    num_blocks = xb.shape[1]
+    block_cum = jnp.cumsum(jnp.sum(masses(xb), axis=-1), axis=-1)  # f32[S, NB]
     target = u * block_cum[:, -1]  # < total for u < 1, so some block exceeds it
     block = jnp.minimum(jnp.sum(block_cum <= target[:, None], axis=-1), num_blocks - 1)  # i32[S]
     before = jnp.take_along_axis(block_cum, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0]
     before = jnp.where(block > 0, before, 0.0)
-    inner = jnp.take_along_axis(eb, block[:, None, None], axis=1)[:, 0]  # f32[S, BLOCK]
+    inner = masses(_block_of(xb, block))  # f32[S, BLOCK]
     j = jnp.sum(jnp.cumsum(inner, axis=-1) <= (target - before)[:, None], axis=-1)
     # The in-block sum can end an ulp below the block total it was found by: never step past the block's last token
     # with mass.

@@ -8,11 +8,13 @@ import re
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 import kernels_pallas
 from benchmarks import ab_step
 from jaxinfer.engine import runner
+from jaxinfer.engine.transfer import from_flat
 from jaxinfer.model import layers
 from kernels_pallas import cpu, project_cpu, ragged_cpu
 
@@ -28,6 +30,12 @@ def test_paired_run_writes_a_row_per_variant(tmp_path: Path) -> None:
     assert [r["variant"] for r in rows] == variants.split(",")
     assert all(r["batch"] == 2 and r["median_ms"] >= r["min_ms"] > 0 for r in rows)
     assert rows[0]["vs_first"] == 1.0
+
+
+def test_recorded_step_samples_at_the_temperature_asked() -> None:
+    engine, kw = ab_step.recorded_step("scan", 2, 24, "tiny", temperature=0.7)
+    _, st = from_flat(kw["flat"], kw["layout"])
+    np.testing.assert_allclose(np.asarray(st.temperature)[:2], 0.7)
 
 
 def test_patches_are_undone_and_unknown_parts_refused() -> None:

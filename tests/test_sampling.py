@@ -183,6 +183,19 @@ def test_inverse_cdf_extreme_uniforms_never_draw_masked_tokens():
     np.testing.assert_array_equal(first, 5)
 
 
+@pytest.mark.parametrize("rows, vocab", [(16, 8192), (64, 49152)])
+def test_a_sampled_basic_step_materialises_at_most_one_array_of_the_logits_size(rows, vocab):
+    """The basic draw recomputes the masses of the block a row's draw falls in instead of keeping the scaled,
+    masked logits and their exponentials as [S, V] arrays (at 128 rows of a 49k vocabulary each was 25 MB written
+    and read again at every sampled step). What XLA still materialises is one [S, V] input to its block sums."""
+    rs = [RowSampling(temperature=1.0, min_p=0.05, seed=i) for i in range(rows)]
+    st = build_sampling_tensors(rs, rows, 1, 1, advanced=False)
+    step = jax.jit(lambda lg, st: sample(lg, st, advanced=False, num_logprobs=None).token_ids)
+    compiled = step.lower(jax.ShapeDtypeStruct((rows, vocab), np.float32), st).compile()
+    one_array = rows * vocab * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * one_array
+
+
 # ---------------------------------------------------------------------------------------------- greedy
 
 S8, V1000 = 8, 1000  # shared shape of the greedy, logprobs, penalty and batch-invariance tests (one compile each)
