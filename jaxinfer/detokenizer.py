@@ -6,7 +6,9 @@ space of whatever token comes first. Decoding the whole output every step is rig
 
 `IncrementalDetokenizer` decodes a short window instead (the technique vLLM and TGI use): a few already-emitted
 tokens give context, and the text the window decodes to beyond what they decode to is the new text. The window
-starts in the prompt, so the first generated token is decoded with the context it was generated in.
+starts in the prompt, so the first generated token is decoded with the context it was generated in. A prompt that
+ends in the first bytes of a character leaves them pending: the output starts with the whole character once a
+generated token completes it (the prompt's own text shows U+FFFD there, as decoding it alone does).
 
 Stop strings are matched on the text, not the tokens, since one can span tokens or end inside one. Text that could
 be the start of a stop string is held back until it is clear whether the stop string completes.
@@ -77,6 +79,15 @@ class IncrementalDetokenizer:
         # Where the run of sentencepiece byte-fallback pieces the tokens end in starts, if they end in one: such a
         # run renders as a whole (valid UTF-8, or U+FFFD for every byte), so a later byte can still change it all.
         self._byte_run: int | None = None
+        unfinished = self._unfinished_prompt_character()
+        if unfinished is not None:
+            # The prompt ends inside a character that generated tokens may complete (a token-id prompt cut anywhere,
+            # or echo's continuation): its first bytes stay pending, so the token that completes it emits the whole
+            # character. Taken as context, the prompt's U+FFFD for it would swallow the character.
+            self._read_offset = unfinished
+            self._window_text = self._window_text.rstrip(_REPLACEMENT)
+            if self._tokenizer.is_byte_piece(self._ids[unfinished]):
+                self._byte_run = unfinished
 
         # Decoded text not emitted yet because it could be the start of a stop string.
         self._held = ""
@@ -144,6 +155,28 @@ class IncrementalDetokenizer:
         while start > lowest and self._decode(prompt_ids[start:]).startswith(_REPLACEMENT):
             start -= 1
         return prompt_ids[start:]
+
+    def _unfinished_prompt_character(self) -> int | None:
+        """Where the prompt context's unfinished last character starts, if it ends in the first bytes of one that
+        later tokens may complete: the index of the token holding its lead byte, or for sentencepiece byte fallback
+        the start of the run of byte pieces it ends in (the run renders as a whole). None when the context ends
+        at a character boundary."""
+        if not self._window_text.endswith(_REPLACEMENT):
+            return None
+        ids, tail = self._ids, b""
+        # A character's bytes span at most 4 tokens; skipped special tokens among them decode to nothing.
+        spanned = [j for j in reversed(range(len(ids))) if not (self._skip_special_tokens and
+                                                                 self._tokenizer.is_special(ids[j]))][:4]  # fmt: skip
+        for j in spanned:
+            tail = self._tokenizer.token_bytes(ids[j]) + tail
+            if len(tail) < 4 and all(b & 0xC0 == 0x80 for b in tail):
+                continue  # continuation bytes only so far: the lead byte is further back
+            if not _incomplete_utf8_tail(tail):
+                return None
+            while j > 0 and self._tokenizer.is_byte_piece(ids[j]) and self._tokenizer.is_byte_piece(ids[j - 1]):
+                j -= 1
+            return j
+        return None
 
     def _decode_step(self) -> str:
         """New final text after the latest token; moves the window forward when its text ends cleanly."""

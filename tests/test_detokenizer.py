@@ -225,6 +225,26 @@ def test_unfinished_character_at_the_end_is_flushed(smollm2: Tokenizer) -> None:
     assert det.text == smollm2.decode(gen) and det.text.endswith(REPLACEMENT)
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("smollm2", "Say: Привет мир 😀 ok 語"), ("gemma3", "x𓀀y 𠀋 z")],  # byte-level BPE; sentencepiece byte fallback
+)
+def test_a_prompt_cut_inside_a_character(name: str, text: str, request: pytest.FixtureRequest) -> None:
+    """A token-id prompt (or echo's continuation) may end in the first bytes of a character the generated tokens
+    complete. The prompt's text shows U+FFFD there; the output starts with the whole character, so the two together
+    read as the full decode. Taking the prompt's U+FFFD as context used to swallow the character."""
+    tk: Tokenizer = request.getfixturevalue(name)
+    ids = _enc(tk, text)
+    cut_inside = 0
+    for cut in range(1, len(ids)):
+        prompt_text = tk.decode(ids[:cut])
+        cut_inside += prompt_text.endswith(REPLACEMENT)
+        deltas = _stream(IncrementalDetokenizer(tk, ids[:cut]), ids[cut:])
+        assert all(REPLACEMENT not in d for d in deltas), cut
+        assert prompt_text.rstrip(REPLACEMENT) + "".join(deltas) == tk.decode(ids) == text, cut
+    assert cut_inside >= 3, "the text must have cuts inside characters for this test to mean anything"
+
+
 # ---- sentencepiece leading space ---------------------------------------------------------------------------
 
 
