@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas import numba_ffi
 
@@ -37,19 +38,60 @@ def unavailable() -> str | None:
 
 def supported(x: jax.Array, w: jax.Array) -> bool:
     """Whether `project_rows` runs x f[M, K] times w f[N, K] (or a stack f[L, N, K]): float32, 1-8 rows, on a CPU
-    whose kernel loads."""
+    whose kernel loads and whose library dot sums N outputs in an order the kernel has (`library_k_block`)."""
     rows_ok = x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and w.ndim in (2, 3) and x.shape[1] == w.shape[-1]
     dtypes_ok = x.dtype == jnp.float32 and w.dtype == jnp.float32
-    return rows_ok and dtypes_ok and unavailable() is None
+    return rows_ok and dtypes_ok and unavailable() is None and library_k_block(w.shape[-2]) is not None
 
 
-def project_rows(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+# The library's blocks of inputs seen so far: 2048 on the AVX2 EPYC; 512 on a 2-core AVX-512 EPYC (znver4) for
+# output counts that are multiples of 64. That one sums other counts (16, 32, 48 outputs) in two or four chains over
+# alternate inputs, which the kernel does not have.
+K_BLOCKS = (2048, 512)
+# (outputs, inputs) the order is probed at, for output counts that are multiples of 64 and for the other multiples
+# of 16: SmolLM2's square projection (or 48 outputs of it), and a kernel whose inputs span two blocks of 2048 and end
+# inside a third.
+PROBE_SHAPES = {True: ((576, 576), (64, 4100)), False: ((48, 576), (16, 4100))}
+
+
+def library_k_block(n: int) -> int | None:
+    """The block of inputs (`K_BLOCKS`) with which the kernel sums n outputs as this machine's library dot does, bit
+    for bit; None where none does (the caller then takes the library's dot itself)."""
+    return _library_k_block(n % 64 == 0)
+
+
+@functools.cache
+def _library_k_block(wide: bool) -> int | None:
+    """Probes the kernel against the library dot at `PROBE_SHAPES[wide]` for one row and five, once per process,
+    eagerly even inside a trace; on CPU."""
+    if unavailable() is not None:
+        return None
+    contract = (((1,), (1,)), ((), ()))
+    rng = np.random.default_rng(0)
+    cases = []
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        for n, k in PROBE_SHAPES[wide]:
+            x = jnp.asarray(rng.standard_normal((16, k), dtype=np.float32))
+            w = jnp.asarray(rng.standard_normal((n, k), dtype=np.float32))
+            cases.append((x, w, np.asarray(jax.jit(lambda x, w: jax.lax.dot_general(x, w, contract))(x, w))))
+        kernel = jax.jit(project_rows, static_argnames="k_block")
+        for k_block in K_BLOCKS:
+            if all(np.array_equal(np.asarray(kernel(x[:rows], w, k_block=k_block)), want[:rows])
+                   for x, w, want in cases for rows in (1, 5)):  # fmt: skip
+                return k_block
+    return None
+
+
+def project_rows(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, k_block: int | None = None) -> jax.Array:
     """x f32[M, K] (M <= 8) times w f32[N, K] transposed, or times layer `layer` (i32[]) of a stack w f32[L, N, K],
-    read in place -> f32[M, N], each output summed in YNNPACK's order."""
+    read in place -> f32[M, N], each output one chain of FMAs over each block of `k_block` inputs (None: the
+    library's, `library_k_block`), the blocks' sums added in order."""
     if unavailable() is not None:
         raise RuntimeError(f"the CPU projection kernel cannot run: {unavailable()}")
     rows, n = x.shape[0], w.shape[-2]
-    index = jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+    k_block = k_block or library_k_block(n) or K_BLOCKS[0]
+    index = jnp.stack([jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32),
+                       jnp.int32(k_block)])  # fmt: skip
     if rows == 1:  # outputs in lanes: x f32[K] -> f32[N]
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), jnp.float32))(x[0], w, index)[None]
     xt = jnp.pad(x, ((0, MAX_ROWS - rows), (0, 0))).T  # f32[K, 8]: rows in lanes

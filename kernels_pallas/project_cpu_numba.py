@@ -3,7 +3,9 @@ the order XLA:CPU's library dot (YNNPACK) sums it for any number of rows from 2 
 
 That order, measured on jax 0.10.2 for x f32[M, K] times a kernel stored f32[N, K], N a multiple of 16
 (tests/kernels/test_project_cpu.py holds the kernel to it): each output is one chain of fused multiply-adds over k in
-order, from zero, in blocks of `K_BLOCK` inputs whose chains are then added in order. XLA:CPU's one-row forms (a
+order, from zero, in blocks of `K_BLOCK` inputs whose chains are then added in order. The block is each call's
+operand: 2048 on the AVX2 EPYC, 512 on an AVX-512 one (znver4) for N a multiple of 64 (kernels_pallas/project_cpu.py
+probes which). XLA:CPU's one-row forms (a
 fused loop, Eigen's GEMV) sum in other orders, and YNNPACK itself, handed a one-row product, ran it 2x slower than
 the fused loop (it repacks the kernel every call).
 
@@ -36,7 +38,9 @@ _h = jit_helpers()
 answer_non_execute, buffer, data, dim, null = _h.answer_non_execute, _h.buffer, _h.data, _h.dim, _h.null
 
 LANES = 8  # rows per call: float32 lanes of an AVX2 vector
-K_BLOCK = 2048  # YNNPACK's block of inputs (measured: blocks of 2048, their sums added in order)
+# YNNPACK's block of inputs on the AVX2 EPYC (blocks of 2048, their sums added in order). The block is an operand of
+# each call: a 2-core AVX-512 EPYC (znver4) sums in blocks of 512 (kernels_pallas/project_cpu.py probes for it).
+K_BLOCK = 2048
 # 2-8 rows: outputs per pass over k, eight independent FMA chains (four ran at the FMA's latency).
 _OUTPUTS = 8
 _FN = "jaxinfer_project_rows8"
@@ -223,8 +227,9 @@ def _block_intrinsic(one_row: bool):
 
 
 # The shared state of one call, i64 words: the next claim, the claims done, the references held (the caller and
-# each task), the number of claims, xT, w, out (addresses), K, and the number of blocks of `_OUTPUTS` outputs.
-_NEXT, _DONE, _REFS, _CLAIMS, _XT, _W, _OUT, _K, _BLOCKS = range(9)
+# each task), the number of claims, xT, w, out (addresses), K, the number of blocks of `_OUTPUTS` outputs, and the
+# block of inputs whose chains are summed apart.
+_NEXT, _DONE, _REFS, _CLAIMS, _XT, _W, _OUT, _K, _BLOCKS, _KB = range(10)
 # Blocks of outputs per claim (32 outputs: 74 KB of a 576-wide kernel): small enough that a projection of a few
 # hundred outputs still spreads over two threads.
 _CLAIM = 4
@@ -268,10 +273,10 @@ def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter
     work.linkage = "internal"
     b = ir.IRBuilder(work.append_basic_block("entry"))
     st = work.args[0]
-    word = [b.gep(st, [c64(i)]) for i in range(9)]
-    claims, blocks, k = b.load(word[_CLAIMS]), b.load(word[_BLOCKS]), b.load(word[_K])
+    word = [b.gep(st, [c64(i)]) for i in range(10)]
+    claims, blocks, k, k_block = b.load(word[_CLAIMS]), b.load(word[_BLOCKS]), b.load(word[_K]), b.load(word[_KB])
     xt, w, out = (b.inttoptr(b.load(word[i]), fp) for i in (_XT, _W, _OUT))
-    k_blocks = b.sdiv(b.add(k, c64(K_BLOCK - 1)), c64(K_BLOCK))
+    k_blocks = b.sdiv(b.sub(b.add(k, k_block), c64(1)), k_block)
     claim_bb, do_bb, done_bb = (work.append_basic_block(n) for n in ("claim", "do", "done"))
     b.branch(claim_bb)
     b.position_at_end(claim_bb)
@@ -285,8 +290,8 @@ def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter
     o = b.mul(blk.i, c64(outputs))
     wo, oo = b.gep(w, [b.mul(o, k)]), b.gep(out, [b.mul(o, c64(out_stride))])
     kb = _IRLoop(b, work, c64(0), k_blocks, "kblock")
-    k0 = b.mul(kb.i, c64(K_BLOCK))
-    k1 = b.add(k0, c64(K_BLOCK))
+    k0 = b.mul(kb.i, k_block)
+    k1 = b.add(k0, k_block)
     k1 = b.select(b.icmp_signed("<", k1, k), k1, k)
     b.call(block, [xt, wo, oo, k, k0, k1, b.zext(b.icmp_signed("==", kb.i, c64(0)), i64)])
     kb.close()
@@ -310,17 +315,17 @@ def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter
     release(b, state)
     b.ret_void()
 
-    # run(api, ctx, xt, w, out, blocks, k)
-    fn = ir.Function(module, ir.FunctionType(void, [i64] * 7), name)
+    # run(api, ctx, xt, w, out, blocks, k, k_block)
+    fn = ir.Function(module, ir.FunctionType(void, [i64] * 8), name)
     fn.linkage = "internal"
-    api, ctx, xt_a, w_a, out_a, blocks, k = fn.args
+    api, ctx, xt_a, w_a, out_a, blocks, k, k_block = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     threads = b.alloca(i64)
     args = b.alloca(ir.ArrayType(i64, 5))
     claims = b.sdiv(b.add(blocks, c64(_CLAIM - 1)), c64(_CLAIM))
-    state = b.bitcast(b.call(malloc, [c64(8 * 9)]), i64p)
+    state = b.bitcast(b.call(malloc, [c64(8 * 10)]), i64p)
     values = {_NEXT: c64(0), _DONE: c64(0), _REFS: c64(1), _CLAIMS: claims, _XT: xt_a, _W: w_a, _OUT: out_a, _K: k,
-              _BLOCKS: blocks}  # fmt: skip
+              _BLOCKS: blocks, _KB: k_block}  # fmt: skip
     for i, v in values.items():
         b.store(v, b.gep(state, [c64(i)]))
     api_p = b.inttoptr(api, i64p)
@@ -365,8 +370,8 @@ def _run_intrinsic(one_row: bool):
     """An intrinsic that calls `_run_function` (emitted into the caller's module once); addresses as integers."""
 
     @intrinsic
-    def run(typingctx, api, ctx, x, w, out, blocks, k):
-        sig = types.void(*([types.int64] * 7))
+    def run(typingctx, api, ctx, x, w, out, blocks, k, k_block):
+        sig = types.void(*([types.int64] * 8))
 
         def codegen(context, builder, signature, args):
             builder.call(_run_function(builder.module, one_row), list(args))
@@ -385,21 +390,21 @@ def _project_function(one_row: bool):
     group = _ROW1_OUTPUTS if one_row else _OUTPUTS
 
     @njit
-    def project(x, w, out, api=0, ctx=0):
+    def project(x, w, out, k_block=K_BLOCK, api=0, ctx=0):
         n, k = w.shape
         if k == 0:
             out[:] = 0.0
             return
         full = n // group
         if full:
-            run(api, ctx, x.ctypes.data, w.ctypes.data, out.ctypes.data, full, k)
+            run(api, ctx, x.ctypes.data, w.ctypes.data, out.ctypes.data, full, k, k_block)
         rest = n - full * group
         if rest:  # the last outputs through the same code: their kernel rows copied out, padded with zero rows
             w_rest = np.zeros((group, k), np.float32)
             out_rest = np.empty((group,) + out.shape[1:], np.float32)
             w_rest[:rest] = w[full * group :]
-            for k0 in range(0, k, K_BLOCK):
-                block(x.ctypes.data, w_rest.ctypes.data, out_rest.ctypes.data, k, k0, min(k, k0 + K_BLOCK), k0 == 0)
+            for k0 in range(0, k, k_block):
+                block(x.ctypes.data, w_rest.ctypes.data, out_rest.ctypes.data, k, k0, min(k, k0 + k_block), k0 == 0)
             out[full * group :] = out_rest[:rest]
 
     return project
@@ -410,22 +415,24 @@ project_row1, project_rows8 = _project_function(True), _project_function(False)
 
 def _handle(frame_ptr):
     """Operands: x f32[K] (one row) or xT f32[K, 8] (2-8 rows in lanes); the kernel, f32[N, K] or a stack of them
-    f32[L, N, K]; i32[1], which of the stack's kernels (read in place, where a slice would be a copy). Result
-    f32[N] or f32[N, 8]."""
+    f32[L, N, K]; i32[2], which of the stack's kernels (read in place, where a slice would be a copy) and the block
+    of inputs whose chains are summed apart (K_BLOCK). Result f32[N] or f32[N, 8]."""
     frame = carray(frame_ptr, (15,), dtype=np.int64)
     if answer_non_execute(frame):
         return null()
     bx, bw, bl, bo = buffer(frame, 0, False), buffer(frame, 1, False), buffer(frame, 2, False), buffer(frame, 0, True)
     stacked = bw[4] == 3
     n, k = dim(bw, 1 if stacked else 0), dim(bw, 2 if stacked else 1)
-    layer = carray(data(bl), (1,), dtype=np.int32)[0] if stacked else 0
+    index = carray(data(bl), (2,), dtype=np.int32)
+    layer = index[0] if stacked else 0
+    k_block = np.int64(max(index[1], 1))
     w = carray(data(bw), (layer + 1, n, k), dtype=np.float32)[layer]
     if bx[4] == 1:  # rank 1: one row
         project_row1(carray(data(bx), (k,), dtype=np.float32), w, carray(data(bo), (n,), dtype=np.float32),
-                     frame[2], frame[3])  # fmt: skip
+                     k_block, frame[2], frame[3])  # fmt: skip
     else:
         project_rows8(carray(data(bx), (k, LANES), dtype=np.float32), w,
-                      carray(data(bo), (n, LANES), dtype=np.float32), frame[2], frame[3])  # fmt: skip
+                      carray(data(bo), (n, LANES), dtype=np.float32), k_block, frame[2], frame[3])  # fmt: skip
     return null()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 
@@ -176,7 +177,12 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
       1.1-1.5x faster than x @ W^T at 8-64 rows. The optimization barrier keeps XLA from folding the transpose into
       the dot (it would hand the dot both operands transposed, a slower path);
     - a prompt's many rows, a large result (the LM head's at 128 rows: 25 MB costs more to transpose than it
-      gains), or anything else: x @ W^T, as on accelerators."""
+      gains), or anything else: x @ W^T, as on accelerators.
+    Those orders were measured on the AVX2 EPYC. Each process checks them once (`project_cpu.library_k_block`,
+    `weight_left_sums_as_library`). A 2-core AVX-512 EPYC (znver4) sums in blocks of 512 inputs, which the kernel
+    takes as an operand, for output counts that are multiples of 64, and otherwise in orders the kernel lacks: there
+    the kernel's rows take the library's x @ W^T (one row padded to two, 2x slower than the kernel). Its weight-left
+    form sums otherwise at 16 rows, so it is not used there. Either way a row's bits do not depend on its batch."""
     stack = w if isinstance(w, StackedSelect) else None
     shape = stack.stack.shape[1:] if stack is not None else w.shape
     lead, num_out = x.shape[: x.ndim - num_in], len(shape) - num_in
@@ -187,18 +193,27 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     cpu = target_platform() == "cpu" and not _SHARDED.get()
     kernel = stack.stack.reshape(-1, n, k) if stack is not None else w.reshape(n, k)
     invariant_n = n % WEIGHT_LEFT_ROWS_MULTIPLE == 0
-    if cpu and rows <= PROJECTION_KERNEL_ROWS and invariant_n and project_cpu.supported(x2, kernel):
+    kernel_rows = cpu and rows <= PROJECTION_KERNEL_ROWS and invariant_n
+    if kernel_rows and project_cpu.supported(x2, kernel):
         layer = stack.index if stack is not None else None
         return project_cpu.project_rows(x2, kernel, layer).astype(out_dtype or x.dtype).reshape(*lead, *shape[:num_out])
+    # The kernel's rows where the library sums in an order the kernel lacks (project_cpu.library_k_block): the library's
+    # own x @ W^T, one row padded to two, sums every row alike.
+    by_library = (kernel_rows and x2.dtype == kernel.dtype == jnp.float32 and project_cpu.unavailable() is None
+                  and project_cpu.library_k_block(n) is None)  # fmt: skip
     if stack is not None:  # the other forms read the layer's slice
         w = jax.lax.dynamic_index_in_dim(stack.stack, stack.index, keepdims=False)
     w2 = w.reshape(n, k)
-    if cpu and rows == 1 and not in_branch and num_in == 1:
+    if by_library:
+        xp = jnp.pad(x2, ((0, 1), (0, 0))) if rows == 1 else x2
+        y = jax.lax.dot_general(xp, w2, contract, preferred_element_type=out_dtype)[:rows]
+    elif cpu and rows == 1 and not in_branch and num_in == 1:
         # Spelled with the transpose: XLA:CPU rewrites a dot over W's own layout into a GEMV library call first.
         y = jnp.matmul(x2, w2.T, preferred_element_type=out_dtype)
     elif cpu and rows == 1:
         y = jnp.matmul(w2, x2[0], preferred_element_type=out_dtype)[None]
-    elif cpu and 1 < rows <= WEIGHT_LEFT_MAX_ROWS and out_bytes <= WEIGHT_LEFT_MAX_OUT_BYTES:
+    elif (cpu and 1 < rows <= WEIGHT_LEFT_MAX_ROWS and out_bytes <= WEIGHT_LEFT_MAX_OUT_BYTES
+          and weight_left_sums_as_library()):  # fmt: skip
         pad = -rows % WEIGHT_LEFT_ROWS_MULTIPLE
         xp = jnp.pad(x2, ((0, pad), (0, 0))) if pad else x2
         y = jax.lax.optimization_barrier(jax.lax.dot_general(w2, xp, contract, preferred_element_type=out_dtype))
@@ -206,6 +221,22 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     else:
         y = jax.lax.dot_general(x2, w2, contract, preferred_element_type=out_dtype)
     return y.reshape(*lead, *shape[:num_out])
+
+
+@functools.cache
+def weight_left_sums_as_library() -> bool:
+    """Whether W @ x^T over whole multiples of 16 rows sums each output as x @ W^T does, bit for bit, on this
+    machine, probed at SmolLM2's square projection for 16 and 128 rows. It did on the AVX2 EPYC where `project`'s
+    forms were measured; on a 2-core AVX-512 EPYC (znver4) 16 and 32 rows took other kernels of YNNPACK, and there
+    `project` runs x @ W^T. Runs once per process, eagerly even inside a trace; on CPU."""
+    contract = (((1,), (1,)), ((), ()))
+    rng = np.random.default_rng(0)
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        x = jnp.asarray(rng.standard_normal((128, 576), dtype=np.float32))
+        w = jnp.asarray(rng.standard_normal((576, 576), dtype=np.float32))
+        want = np.asarray(jax.jit(lambda x, w: jax.lax.dot_general(x, w, contract))(x, w))
+        weight_left = jax.jit(lambda x, w: jax.lax.optimization_barrier(jax.lax.dot_general(w, x, contract)).T)
+        return all(np.array_equal(np.asarray(weight_left(x[:rows], w)), want[:rows]) for rows in (16, 128))
 
 
 class LayerKernel:

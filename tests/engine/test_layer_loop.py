@@ -19,6 +19,7 @@ from jaxinfer.engine.runner import choose_layer_loop, paged_step
 from jaxinfer.engine.transfer import to_flat
 from jaxinfer.model import init_params
 from jaxinfer.types import SamplingParams
+from kernels_pallas import project_cpu
 from tests.aot.aot_tools import copies_of  # the compiled-HLO helper the TPU checks use
 
 CFG = dict(arch="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
@@ -215,6 +216,8 @@ def test_one_row_step_reads_the_attention_kernels_in_place():
     index (`StackedSelect`: a slice handed to a custom call is a copy). o (40 outputs, which the kernel does not take)
     is sliced inside the one-row dot that XLA:CPU fuses: copied, then Eigen's GEMV, the projections ran at ~19 GB/s;
     fused, split over the cores: ~33. A hidden size of 40 gives the kernels element counts nothing else has."""
+    if project_cpu.library_k_block(16) is None:  # q's and k's counts: neither a multiple of 64
+        pytest.skip("this machine's library sums 16 or 32 outputs in an order the kernel lacks: one row takes its dot")
     eng = _engine("scan", num_pages=41, hidden_size=40, intermediate_size=72)
     layers = eng.cfg.num_layers
     hlo = _compiled_step(eng, True, 1, 1)
