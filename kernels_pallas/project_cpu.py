@@ -62,24 +62,33 @@ def library_k_block(n: int) -> int | None:
 
 @functools.cache
 def _library_k_block(wide: bool) -> int | None:
-    """Probes the kernel against the library dot at `PROBE_SHAPES[wide]` for one row and five, once per process,
-    eagerly even inside a trace; on CPU."""
+    """Probes the kernel against the library dot at `PROBE_SHAPES[wide]` for one row and five, once per process, in
+    one compiled program (eagerly, even inside a trace); on CPU."""
     if unavailable() is not None:
         return None
     contract = (((1,), (1,)), ((), ()))
     rng = np.random.default_rng(0)
-    cases = []
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-        for n, k in PROBE_SHAPES[wide]:
-            x = jnp.asarray(rng.standard_normal((16, k), dtype=np.float32))
-            w = jnp.asarray(rng.standard_normal((n, k), dtype=np.float32))
-            cases.append((x, w, np.asarray(jax.jit(lambda x, w: jax.lax.dot_general(x, w, contract))(x, w))))
-        kernel = jax.jit(project_rows, static_argnames="k_block")
+    cases = [(rng.standard_normal((16, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32))
+             for n, k in PROBE_SHAPES[wide]]  # fmt: skip
+
+    def bits(a: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(a, jnp.int32)
+
+    @jax.jit
+    def same(cases: list) -> jax.Array:  # bool[block]: the kernel's bits are the library's at every case and row
+        per_block = []
         for k_block in K_BLOCKS:
-            if all(np.array_equal(np.asarray(kernel(x[:rows], w, k_block=k_block)), want[:rows])
-                   for x, w, want in cases for rows in (1, 5)):  # fmt: skip
-                return k_block
-    return None
+            ok = jnp.bool_(True)
+            for x, w in cases:
+                want = bits(jax.lax.dot_general(x, w, contract))
+                for rows in (1, 5):
+                    ok &= jnp.all(bits(project_rows(x[:rows], w, k_block=k_block)) == want[:rows])
+            per_block.append(ok)
+        return jnp.stack(per_block)
+
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        matches = np.asarray(same(cases))
+    return next((b for b, ok in zip(K_BLOCKS, matches, strict=True) if ok), None)
 
 
 def project_rows(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, k_block: int | None = None) -> jax.Array:

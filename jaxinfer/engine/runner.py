@@ -337,10 +337,12 @@ class ModelRunner:
         self.seq_buckets, self.token_buckets = self.buckets.seq_buckets, self.buckets.token_buckets
         # Serialized compiled steps (None: off): a warm start skips tracing and lowering. See exec_cache.
         self.exec_cache = ExecutableCache.from_jax_config()
-        if self.exec_cache is not None and jax.default_backend() == "cpu" and jnp.dtype(cfg.dtype) == jnp.float32:
+        if jax.default_backend() == "cpu" and jnp.dtype(cfg.dtype) == jnp.float32:
             # A loaded step may call the CPU projection kernel (layers.project): XLA resolves its FFI target when
-            # the step loads, and a warm start traces nothing that would register it first.
+            # the step loads, and a warm start traces nothing that would register it first. The checks of the
+            # library's orders that pick `project`'s forms compile their own small programs: here, not mid-warm-up.
             project_cpu.unavailable()
+            layers.probe_cpu_forms()
         self._compiled: dict[tuple, Callable] = {}
         # Step variants `warmup(defer=True)` left for `compile_deferred` (its combos, in compile order).
         self.deferred: list[tuple] = []

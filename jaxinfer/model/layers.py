@@ -228,15 +228,31 @@ def weight_left_sums_as_library() -> bool:
     """Whether W @ x^T over whole multiples of 16 rows sums each output as x @ W^T does, bit for bit, on this
     machine, probed at SmolLM2's square projection for 16 and 128 rows. It did on the AVX2 EPYC where `project`'s
     forms were measured; on a 2-core AVX-512 EPYC (znver4) 16 and 32 rows took other kernels of YNNPACK, and there
-    `project` runs x @ W^T. Runs once per process, eagerly even inside a trace; on CPU."""
+    `project` runs x @ W^T. Runs once per process, in one compiled program (eagerly, even inside a trace); on CPU."""
     contract = (((1,), (1,)), ((), ()))
     rng = np.random.default_rng(0)
+    x = rng.standard_normal((128, 576), dtype=np.float32)
+    w = rng.standard_normal((576, 576), dtype=np.float32)
+
+    @jax.jit
+    def same(x: jax.Array, w: jax.Array) -> jax.Array:
+        want = jax.lax.bitcast_convert_type(jax.lax.dot_general(x, w, contract), jnp.int32)
+        ok = jnp.bool_(True)
+        for rows in (16, 128):
+            got = jax.lax.optimization_barrier(jax.lax.dot_general(w, x[:rows], contract)).T
+            ok &= jnp.all(jax.lax.bitcast_convert_type(got, jnp.int32) == want[:rows])
+        return ok
+
     with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-        x = jnp.asarray(rng.standard_normal((128, 576), dtype=np.float32))
-        w = jnp.asarray(rng.standard_normal((576, 576), dtype=np.float32))
-        want = np.asarray(jax.jit(lambda x, w: jax.lax.dot_general(x, w, contract))(x, w))
-        weight_left = jax.jit(lambda x, w: jax.lax.optimization_barrier(jax.lax.dot_general(w, x, contract)).T)
-        return all(np.array_equal(np.asarray(weight_left(x[:rows], w)), want[:rows]) for rows in (16, 128))
+        return bool(same(x, w))
+
+
+def probe_cpu_forms() -> None:
+    """Runs `project`'s checks of this machine's library orders now (3 small programs, once per process), so that a
+    step's trace compiles nothing but the step. The engine calls it on CPU before it traces or loads a step."""
+    project_cpu.library_k_block(64)
+    project_cpu.library_k_block(16)
+    weight_left_sums_as_library()
 
 
 class LayerKernel:
