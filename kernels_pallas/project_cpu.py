@@ -86,7 +86,7 @@ def _library_k_block(wide: bool) -> int | None:
             per_block.append(ok)
         return jnp.stack(per_block)
 
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
         matches = np.asarray(same(cases))
     return next((b for b, ok in zip(K_BLOCKS, matches, strict=True) if ok), None)
 

@@ -243,7 +243,7 @@ def weight_left_sums_as_library() -> bool:
             ok &= jnp.all(jax.lax.bitcast_convert_type(got, jnp.int32) == want[:rows])
         return ok
 
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
         return bool(same(x, w))
 
 
