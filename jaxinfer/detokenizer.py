@@ -122,7 +122,7 @@ class IncrementalDetokenizer:
         if self._tokenizer.is_byte_piece(token_id):
             if self._byte_run is None:
                 self._byte_run = len(self._ids) - 1
-        elif not (self._skip_special_tokens and self._tokenizer.is_special(token_id)):  # skipped: the run goes on
+        elif not self._skipped(token_id):  # a skipped special token: the run goes on
             self._byte_run = None
         return self._on_text(self._decode_step(), final=False)
 
@@ -140,6 +140,10 @@ class IncrementalDetokenizer:
         return self._on_text(delta, final=True)
 
     # ---- tokens -> text ------------------------------------------------------------------------------------
+
+    def _skipped(self, token_id: int) -> bool:
+        """Whether the token decodes to nothing: a special token, with skip_special_tokens."""
+        return self._skip_special_tokens and self._tokenizer.is_special(token_id)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
@@ -165,8 +169,7 @@ class IncrementalDetokenizer:
             return None
         ids, tail = self._ids, b""
         # A character's bytes span at most 4 tokens; skipped special tokens among them decode to nothing.
-        spanned = [j for j in reversed(range(len(ids))) if not (self._skip_special_tokens and
-                                                                 self._tokenizer.is_special(ids[j]))][:4]  # fmt: skip
+        spanned = [j for j in reversed(range(len(ids))) if not self._skipped(ids[j])][:4]
         for j in spanned:
             tail = self._tokenizer.token_bytes(ids[j]) + tail
             if len(tail) < 4 and all(b & 0xC0 == 0x80 for b in tail):
@@ -216,8 +219,7 @@ class IncrementalDetokenizer:
         A U+FFFD that nothing can complete (byte-level BPE: a stray continuation byte, a broken sequence) is final
         text: waiting on it would keep the window from moving, and every later token would decode all the tokens
         since (quadratic)."""
-        pending = [i for i in self._ids[self._read_offset :] if not (self._skip_special_tokens and
-                                                                     self._tokenizer.is_special(i))]  # fmt: skip
+        pending = [i for i in self._ids[self._read_offset :] if not self._skipped(i)]
         return not pending or _incomplete_utf8_tail(b"".join(self._tokenizer.token_bytes(i) for i in pending[-4:]))
 
     # ---- stop strings ----------------------------------------------------------------------------------------

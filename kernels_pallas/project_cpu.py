@@ -60,34 +60,41 @@ def library_k_block(n: int) -> int | None:
     return _library_k_block(n % 64 == 0)
 
 
+def library_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f32[M, K] @ w f32[N, K]^T as XLA's library dot, contracted on both minor axes (the engine's layout)."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+
+
+def same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
+    """bool[]: whether float32 a and b hold the same bits everywhere (-0.0 is not 0.0 here)."""
+    return jnp.all(jax.lax.bitcast_convert_type(a, jnp.int32) == jax.lax.bitcast_convert_type(b, jnp.int32))
+
+
+def run_probe(fn, *args) -> np.ndarray:
+    """Runs the jitted check `fn` on this process's own CPU device, eagerly even inside a trace, as numpy. Under
+    jax.distributed, jax.devices("cpu")[0] is another process's: the second process hung there."""
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return np.asarray(jax.jit(fn)(*args))
+
+
 @functools.cache
 def _library_k_block(wide: bool) -> int | None:
     """Probes the kernel against the library dot at `PROBE_SHAPES[wide]` for one row and five, once per process, in
-    one compiled program (eagerly, even inside a trace); on CPU."""
+    one compiled program; on CPU."""
     if unavailable() is not None:
         return None
-    contract = (((1,), (1,)), ((), ()))
     rng = np.random.default_rng(0)
     cases = [(rng.standard_normal((16, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32))
              for n, k in PROBE_SHAPES[wide]]  # fmt: skip
 
-    def bits(a: jax.Array) -> jax.Array:
-        return jax.lax.bitcast_convert_type(a, jnp.int32)
-
-    @jax.jit
     def same(cases: list) -> jax.Array:  # bool[block]: the kernel's bits are the library's at every case and row
-        per_block = []
-        for k_block in K_BLOCKS:
-            ok = jnp.bool_(True)
-            for x, w in cases:
-                want = bits(jax.lax.dot_general(x, w, contract))
-                for rows in (1, 5):
-                    ok &= jnp.all(bits(project_rows(x[:rows], w, k_block=k_block)) == want[:rows])
-            per_block.append(ok)
-        return jnp.stack(per_block)
+        return jnp.stack([
+            jnp.all(jnp.stack([same_bits(project_rows(x[:rows], w, k_block=k_block), library_dot(x, w)[:rows])
+                               for x, w in cases for rows in (1, 5)]))
+            for k_block in K_BLOCKS
+        ])  # fmt: skip
 
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
-        matches = np.asarray(same(cases))
+    matches = run_probe(same, cases)
     return next((b for b, ok in zip(K_BLOCKS, matches, strict=True) if ok), None)
 
 

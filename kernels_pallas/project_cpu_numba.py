@@ -3,9 +3,9 @@ the order XLA:CPU's library dot (YNNPACK) sums it for any number of rows from 2 
 
 That order, measured on jax 0.10.2 for x f32[M, K] times a kernel stored f32[N, K], N a multiple of 16
 (tests/kernels/test_project_cpu.py holds the kernel to it): each output is one chain of fused multiply-adds over k in
-order, from zero, in blocks of `K_BLOCK` inputs whose chains are then added in order. The block is each call's
-operand: 2048 on the AVX2 EPYC, 512 on an AVX-512 one (znver4) for N a multiple of 64 (kernels_pallas/project_cpu.py
-probes which). XLA:CPU's one-row forms (a
+order, from zero, in blocks of inputs whose chains are then added in order. The block is each call's operand: 2048
+on the AVX2 EPYC, 512 on an AVX-512 one (znver4) for N a multiple of 64 (kernels_pallas/project_cpu.py probes
+which). XLA:CPU's one-row forms (a
 fused loop, Eigen's GEMV) sum in other orders, and YNNPACK itself, handed a one-row product, ran it 2x slower than
 the fused loop (it repacks the kernel every call).
 
@@ -38,9 +38,6 @@ _h = jit_helpers()
 answer_non_execute, buffer, data, dim, null = _h.answer_non_execute, _h.buffer, _h.data, _h.dim, _h.null
 
 LANES = 8  # rows per call: float32 lanes of an AVX2 vector
-# YNNPACK's block of inputs on the AVX2 EPYC (blocks of 2048, their sums added in order). The block is an operand of
-# each call: a 2-core AVX-512 EPYC (znver4) sums in blocks of 512 (kernels_pallas/project_cpu.py probes for it).
-K_BLOCK = 2048
 # 2-8 rows: outputs per pass over k, eight independent FMA chains (four ran at the FMA's latency).
 _OUTPUTS = 8
 _FN = "jaxinfer_project_rows8"
@@ -390,7 +387,7 @@ def _project_function(one_row: bool):
     group = _ROW1_OUTPUTS if one_row else _OUTPUTS
 
     @njit
-    def project(x, w, out, k_block=K_BLOCK, api=0, ctx=0):
+    def project(x, w, out, k_block, api=0, ctx=0):
         n, k = w.shape
         if k == 0:
             out[:] = 0.0
@@ -416,7 +413,7 @@ project_row1, project_rows8 = _project_function(True), _project_function(False)
 def _handle(frame_ptr):
     """Operands: x f32[K] (one row) or xT f32[K, 8] (2-8 rows in lanes); the kernel, f32[N, K] or a stack of them
     f32[L, N, K]; i32[2], which of the stack's kernels (read in place, where a slice would be a copy) and the block
-    of inputs whose chains are summed apart (K_BLOCK). Result f32[N] or f32[N, 8]."""
+    of inputs whose chains are summed apart. Result f32[N] or f32[N, 8]."""
     frame = carray(frame_ptr, (15,), dtype=np.int64)
     if answer_non_execute(frame):
         return null()

@@ -342,7 +342,8 @@ class ModelRunner:
             # the step loads, and a warm start traces nothing that would register it first. The checks of the
             # library's orders that pick `project`'s forms compile their own small programs: here, not mid-warm-up.
             project_cpu.unavailable()
-            layers.probe_cpu_forms()
+            if mesh is None or mesh.size == 1:  # over several devices `project` takes XLA's dots only
+                layers.probe_cpu_forms()
         self._compiled: dict[tuple, Callable] = {}
         # Step variants `warmup(defer=True)` left for `compile_deferred` (its combos, in compile order).
         self.deferred: list[tuple] = []

@@ -229,22 +229,16 @@ def weight_left_sums_as_library() -> bool:
     machine, probed at SmolLM2's square projection for 16 and 128 rows. It did on the AVX2 EPYC where `project`'s
     forms were measured; on a 2-core AVX-512 EPYC (znver4) 16 and 32 rows took other kernels of YNNPACK, and there
     `project` runs x @ W^T. Runs once per process, in one compiled program (eagerly, even inside a trace); on CPU."""
-    contract = (((1,), (1,)), ((), ()))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((128, 576), dtype=np.float32)
     w = rng.standard_normal((576, 576), dtype=np.float32)
 
-    @jax.jit
     def same(x: jax.Array, w: jax.Array) -> jax.Array:
-        want = jax.lax.bitcast_convert_type(jax.lax.dot_general(x, w, contract), jnp.int32)
-        ok = jnp.bool_(True)
-        for rows in (16, 128):
-            got = jax.lax.optimization_barrier(jax.lax.dot_general(w, x[:rows], contract)).T
-            ok &= jnp.all(jax.lax.bitcast_convert_type(got, jnp.int32) == want[:rows])
-        return ok
+        want = project_cpu.library_dot(x, w)
+        weight_left = [jax.lax.optimization_barrier(project_cpu.library_dot(w, x[:rows])).T for rows in (16, 128)]
+        return project_cpu.same_bits(weight_left[0], want[:16]) & project_cpu.same_bits(weight_left[1], want)
 
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
-        return bool(same(x, w))
+    return bool(project_cpu.run_probe(same, x, w))
 
 
 def probe_cpu_forms() -> None:
