@@ -12,12 +12,13 @@ the fused loop (it repacks the kernel every call).
 Two kernels, one chain of vector FMAs per output either way:
 - 2-8 rows (`_block_function`): the rows in the eight lanes of a vector (padded to 8), eight outputs at a time: per
   kernel element one broadcast load and one FMA;
-- one row (`_row1_function`): eight outputs in the lanes, each 8 x 8 tile of kernel rows transposed in registers.
+- one row (`_row1_function`): eight outputs in the lanes, each 8 x 8 tile of kernel rows transposed in registers;
+  two such chains over 16 rows side by side on AVX-512 hosts.
 Both stream each kernel row from memory once, a block of rows at a time, and fetch the next block ahead in memory
 order. XLA's thread pool runs them on every core (`_run_function`). Measured on the 2-core AVX2 EPYC: one row ran
 at 0.85-0.87x the pace of XLA's fused loop on SmolLM2's projections (the fused loop reads one row at a time; a
-chain needs eight rows side by side), eight rows 1.2-1.3x faster than YNNPACK's weight-left form
-(benchmarks/README.md).
+chain needs eight rows side by side), eight rows 1.2-1.3x faster than YNNPACK's weight-left form. On the AVX-512
+znver4 EPYC the one-row step runs at XLA's pace (benchmarks/README.md).
 
 Imported on first use only; the handler is compiled once per machine into numba's cache (`__pycache__` beside this
 file, or NUMBA_CACHE_DIR), about 7 s on 2 cores, then loads in a fraction of a second.
@@ -41,9 +42,33 @@ LANES = 8  # rows per call: float32 lanes of an AVX2 vector
 # 2-8 rows: outputs per pass over k, eight independent FMA chains (four ran at the FMA's latency).
 _OUTPUTS = 8
 _FN = "jaxinfer_project_rows8"
-# One row: outputs per pass, one chain of eight lanes. Two chains over 16 rows read side by side ran slower from
-# memory (one core: 12 GB/s against 16).
-_ROW1_OUTPUTS = LANES
+
+
+def _has_avx512() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 (the host, unless NUMBA_CPU_NAME names another)."""
+    from numba.core import config
+
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return "+avx512f" in (config.CPU_FEATURES or "")
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx512f"))
+
+
+# The settings below were measured per CPU class (benchmarks/README.md): the 2-core AVX2 EPYC, and the AVX-512
+# znver4 EPYC whose settings AVX-512 hosts take.
+_AVX512 = _has_avx512()
+# The cache level the next block of kernel rows is fetched into (llvm.prefetch's locality: 3 is L1, 1 is L2 on these
+# parts). Fetched into L1, a block of 8 or 16 rows of a 576-wide kernel (18 or 36 KB) evicted the block being read
+# from the 32 KB L1 on znver4: into L2, 2-8 rows took 0.54x XLA's time against 0.70x, and two one-row chains read
+# 33 GB/s on one core against 12.
+_LOCALITY = 1 if _AVX512 else 3
+# One row: chains of eight outputs (lanes) per pass. A chain runs at the FMA's latency, 8 FMAs per 8 x 8 tile (~28
+# GB/s on one core with the kernel in cache on znver4), so AVX-512 hosts, with 32 vector registers, run two over 16
+# rows side by side (~48 GB/s in cache, 33 from memory against 21; the one-row step 0.97x XLA's forms against
+# 1.20x). On AVX2 (16 registers) one chain measured fastest (two from memory: 12 GB/s against 16).
+_ROW1_CHAINS = 2 if _AVX512 else 1
+_ROW1_OUTPUTS = LANES * _ROW1_CHAINS
 _ROW1_FN = "jaxinfer_project_row1"
 
 
@@ -82,7 +107,8 @@ def _block_function(module):
         ahead = b.add(b.mul(k, ir.Constant(i64, _OUTPUTS)), b.mul(i, ir.Constant(i64, _OUTPUTS)))
         for line in range(_OUTPUTS):
             at = b.gep(w, [b.add(ahead, ir.Constant(i64, 16 * line))])
-            b.call(prefetch, [b.bitcast(at, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            locality = ir.Constant(i32, _LOCALITY)
+            b.call(prefetch, [b.bitcast(at, i8p), ir.Constant(i32, 0), locality, ir.Constant(i32, 1)])
     new = []
     for o, a in enumerate(accs):
         s = b.load(b.gep(w, [b.add(b.mul(ir.Constant(i64, o), k), i)]))
@@ -110,7 +136,8 @@ def _row1_function(module):
 
     One row fills one lane of the rows-in-lanes kernel: a broadcast load and an FMA per kernel element. Here each
     kernel row is read eight inputs at a time and every 8 x 8 tile is transposed in registers, so that a lane holds
-    one output and the FMAs over k go in order, eight outputs a vector."""
+    one output and the FMAs over k go in order, eight outputs a vector; `_ROW1_CHAINS` vectors' chains
+    interleaved."""
     fn = module.globals.get(_ROW1_FN)
     if fn is not None:
         return fn
@@ -150,56 +177,68 @@ def _row1_function(module):
         lo, hi = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
         return [shuf(u[j], u[j + 4], lo) for j in range(4)] + [shuf(u[j], u[j + 4], hi) for j in range(4)]
 
+    chains = range(_ROW1_CHAINS)
     zero = ir.Constant(v8, [0.0] * LANES)
     whole = b.add(k0, b.mul(b.sdiv(b.sub(k1, k0), c64(8)), c64(8)))  # k0 + the whole tiles' inputs
     entry = b.block
     loop, rest_bb = fn.append_basic_block("tiles"), fn.append_basic_block("rest")
     b.cbranch(b.icmp_signed("<", k0, whole), loop, rest_bb)
     b.position_at_end(loop)
-    i, acc = b.phi(i64), b.phi(v8)
+    i, accs = b.phi(i64), [b.phi(v8) for _ in chains]
     i.add_incoming(k0, entry)
-    acc.add_incoming(zero, entry)
+    for a in accs:
+        a.add_incoming(zero, entry)
     # Every other tile (16 inputs: a 64-byte line of each row), fetch the next outputs' kernel rows in memory order:
     # by the end of a pass the next block is in cache (rows read side by side outran the hardware's prefetchers).
     with b.if_then(b.icmp_signed("==", b.and_(i, c64(15)), c64(0))):
         ahead = b.add(b.mul(k, c64(_ROW1_OUTPUTS)), b.mul(i, c64(_ROW1_OUTPUTS)))
         for line in range(_ROW1_OUTPUTS):
             at = b.gep(w, [b.add(ahead, c64(16 * line))])
-            b.call(prefetch, [b.bitcast(at, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-    tile = transpose([b.load(b.bitcast(row_ptr(j, i), v8.as_pointer()), align=4) for j in range(LANES)])
-    new = acc
-    for t in range(8):  # the tile's inputs in order
-        new = b.call(fma, [tile[t], splat(b.gep(x, [b.add(i, c64(t))])), new])
+            locality = ir.Constant(i32, _LOCALITY)
+            b.call(prefetch, [b.bitcast(at, i8p), ir.Constant(i32, 0), locality, ir.Constant(i32, 1)])
+    tiles = [transpose([b.load(b.bitcast(row_ptr(LANES * c + j, i), v8.as_pointer()), align=4) for j in range(LANES)])
+             for c in chains]  # fmt: skip
+    new = list(accs)
+    for t in range(8):  # the tile's inputs in order; the chains interleaved, each at the FMA's latency
+        xt = splat(b.gep(x, [b.add(i, c64(t))]))
+        new = [b.call(fma, [tiles[c][t], xt, new[c]]) for c in chains]
     nxt = b.add(i, c64(8))
     i.add_incoming(nxt, b.block)
-    acc.add_incoming(new, b.block)
+    for a, n in zip(accs, new, strict=True):
+        a.add_incoming(n, b.block)
     loop_end = b.block
     b.cbranch(b.icmp_signed("<", nxt, whole), loop, rest_bb)
     b.position_at_end(rest_bb)  # the last k1 - whole inputs, one at a time (lanes gathered)
-    tiled = b.phi(v8)
-    tiled.add_incoming(zero, entry)
-    tiled.add_incoming(new, loop_end)
+    tiled = [b.phi(v8) for _ in chains]
+    for c in chains:
+        tiled[c].add_incoming(zero, entry)
+        tiled[c].add_incoming(new[c], loop_end)
     rest_entry = b.block
     one, end_bb = fn.append_basic_block("one"), fn.append_basic_block("store")
     b.cbranch(b.icmp_signed("<", whole, k1), one, end_bb)
     b.position_at_end(one)
-    j, cur = b.phi(i64), b.phi(v8)
+    j, cur = b.phi(i64), [b.phi(v8) for _ in chains]
     j.add_incoming(whole, rest_entry)
-    cur.add_incoming(tiled, rest_entry)
-    col = ir.Constant(v8, ir.Undefined)
-    for lane in range(LANES):
-        col = b.insert_element(col, b.load(row_ptr(lane, j)), ir.Constant(i32, lane))
-    upd = b.call(fma, [col, splat(b.gep(x, [j])), cur])
+    upd = []
+    for c in chains:
+        cur[c].add_incoming(tiled[c], rest_entry)
+        col = ir.Constant(v8, ir.Undefined)
+        for lane in range(LANES):
+            col = b.insert_element(col, b.load(row_ptr(LANES * c + lane, j)), ir.Constant(i32, lane))
+        upd.append(b.call(fma, [col, splat(b.gep(x, [j])), cur[c]]))
     nj = b.add(j, c64(1))
     j.add_incoming(nj, b.block)
-    cur.add_incoming(upd, b.block)
+    for c in chains:
+        cur[c].add_incoming(upd[c], b.block)
     b.cbranch(b.icmp_signed("<", nj, k1), one, end_bb)
     b.position_at_end(end_bb)
-    final = b.phi(v8)
-    final.add_incoming(tiled, rest_entry)
-    final.add_incoming(upd, one)
-    dst = b.bitcast(out, v8.as_pointer())
-    b.store(b.select(b.icmp_signed("!=", first, c64(0)), final, b.fadd(b.load(dst, align=4), final)), dst, align=4)
+    finals = [b.phi(v8) for _ in chains]
+    is_first = b.icmp_signed("!=", first, c64(0))
+    for c, final in enumerate(finals):
+        final.add_incoming(tiled[c], rest_entry)
+        final.add_incoming(upd[c], one)
+        dst = b.bitcast(b.gep(out, [c64(LANES * c)]), v8.as_pointer())
+        b.store(b.select(is_first, final, b.fadd(b.load(dst, align=4), final)), dst, align=4)
     b.ret_void()
     return fn
 
@@ -230,6 +269,10 @@ _NEXT, _DONE, _REFS, _CLAIMS, _XT, _W, _OUT, _K, _BLOCKS, _KB = range(10)
 # Blocks of outputs per claim (32 outputs: 74 KB of a 576-wide kernel): small enough that a projection of a few
 # hundred outputs still spreads over two threads.
 _CLAIM = 4
+# One row on AVX-512 hosts: 16 blocks (256 outputs). A thread's first block of a claim arrives unfetched (its
+# prefetch ran on the other core, or not at all), and the one-row step measured 0.97x XLA's forms against 1.03x
+# with claims of 4.
+_ROW1_CLAIM = 16 if _AVX512 else _CLAIM
 # XLA_FFI_Api words (jaxlib's include/xla/ffi/api/c_api.h): struct_size, extension_start, the 3-word api_version and
 # internal_api come first, then the functions in order: Error_Destroy is word 8, ThreadPool_Schedule 17,
 # ThreadPool_NumThreads 18. An older API (a smaller struct) has no thread pool: the caller works alone.
@@ -242,9 +285,10 @@ def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter
     with XLA's own threads. The caller schedules a task per other thread of XLA's pool (XLA_FFI_ThreadPool_Schedule:
     the threads that run XLA's loops and library dots, idle while this call runs; numba's own threads fought them
     for the two cores, and a 7 MB kernel's row ran 1.4x slower than on one thread).
-    Caller and tasks claim `_CLAIM` blocks at a time from a shared counter until none is left; the caller then
-    waits for the claims in progress only. A task that starts after that finds nothing to claim, so the caller
-    never waits for a thread that is busy elsewhere. The state lives on the heap; whoever leaves it last frees it.
+    Caller and tasks claim `_CLAIM` blocks (one row: `_ROW1_CLAIM`) at a time from a shared counter until none is
+    left; the caller then waits for the claims in progress only. A task that starts after that finds nothing to
+    claim, so the caller never waits for a thread that is busy elsewhere. The state lives on the heap; whoever
+    leaves it last frees it.
     api = 0: the caller alone (a direct call, in tests)."""
     base = _ROW1_FN if one_row else _FN
     name = base + "_run"
@@ -252,7 +296,7 @@ def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter
     if fn is not None:
         return fn
     block = _row1_function(module) if one_row else _block_function(module)
-    outputs, out_stride = (_ROW1_OUTPUTS, 1) if one_row else (_OUTPUTS, LANES)
+    outputs, out_stride, claim = (_ROW1_OUTPUTS, 1, _ROW1_CLAIM) if one_row else (_OUTPUTS, LANES, _CLAIM)
     f32, i64, i8p, void = ir.FloatType(), ir.IntType(64), ir.IntType(8).as_pointer(), ir.VoidType()
     i64p, fp = i64.as_pointer(), f32.as_pointer()
 
@@ -280,8 +324,8 @@ def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter
     c = b.atomic_rmw("add", word[_NEXT], c64(1), "monotonic")
     b.cbranch(b.icmp_signed("<", c, claims), do_bb, done_bb)
     b.position_at_end(do_bb)
-    first = b.mul(c, c64(_CLAIM))
-    last = b.add(first, c64(_CLAIM))
+    first = b.mul(c, c64(claim))
+    last = b.add(first, c64(claim))
     last = b.select(b.icmp_signed("<", last, blocks), last, blocks)
     blk = _IRLoop(b, work, first, last, "block")
     o = b.mul(blk.i, c64(outputs))
@@ -319,7 +363,7 @@ def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     threads = b.alloca(i64)
     args = b.alloca(ir.ArrayType(i64, 5))
-    claims = b.sdiv(b.add(blocks, c64(_CLAIM - 1)), c64(_CLAIM))
+    claims = b.sdiv(b.add(blocks, c64(claim - 1)), c64(claim))
     state = b.bitcast(b.call(malloc, [c64(8 * 10)]), i64p)
     values = {_NEXT: c64(0), _DONE: c64(0), _REFS: c64(1), _CLAIMS: claims, _XT: xt_a, _W: w_a, _OUT: out_a, _K: k,
               _BLOCKS: blocks, _KB: k_block}  # fmt: skip
