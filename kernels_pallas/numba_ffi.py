@@ -50,6 +50,20 @@ def num_threads() -> int:
 
 
 @functools.cache
+def compiles_for_avx512() -> bool:
+    """Whether numba compiles the kernels for a CPU with AVX-512 (32 vector registers of 16 floats): the host's, as
+    llvmlite (numba's compiler) reads its features, unless NUMBA_CPU_NAME names another CPU. False without numba."""
+    name = os.environ.get("NUMBA_CPU_NAME", "")
+    if name and name != "host":
+        return "+avx512f" in os.environ.get("NUMBA_CPU_FEATURES", "")
+    if importlib.util.find_spec("llvmlite") is None:
+        return False
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx512f"))
+
+
+@functools.cache
 def load_failure(module: str) -> str | None:
     """Why the numba kernel module `module` cannot load in this process (None: it loaded): numba missing, or the
     module's import failing (ValueError: numba found no thread-safe threading layer)."""

@@ -1,12 +1,12 @@
-"""Batch-invariant float32 projections of 1-8 rows on CPU: a numba kernel that the jitted step calls through XLA's
-FFI (kernels_pallas/project_cpu_numba.py).
+"""Batch-invariant float32 projections of 1-8 rows (1-32 where numba compiles for AVX-512) on CPU: a numba kernel
+that the jitted step calls through XLA's FFI (kernels_pallas/project_cpu_numba.py).
 
 XLA:CPU's library dot (YNNPACK) sums each output of x @ W^T (W stored f32[N, K], N a multiple of 16) in one order for
 every row count from 2 up, and so does its weight-left form W @ x^T for whole multiples of 16 rows. One row is the
 exception: XLA:CPU runs it as a fused loop or Eigen's GEMV, which sum in other orders, and YNNPACK's own form costs
-twice as much there; 8 rows in the weight-left form take another of its kernels. This kernel sums 1-8 rows in
-YNNPACK's order, so that a sequence's logits are the same alone (one-row decode steps) and batched
-(jaxinfer.model.layers.project picks it; benchmarks/README.md has the measurements).
+twice as much there; 8 rows in the weight-left form take another of its kernels. This kernel sums its rows in
+YNNPACK's order, so that a sequence's logits are the same alone (one-row decode steps) and batched, at the pace the
+weights stream from memory (jaxinfer.model.layers.project picks it; benchmarks/README.md has the measurements).
 """
 
 from __future__ import annotations
@@ -19,8 +19,16 @@ import numpy as np
 
 from kernels_pallas import numba_ffi
 
-TARGET = "jaxinfer_project_rows8_f32"
-MAX_ROWS = 8  # rows per call (the kernel's vector lanes)
+TARGET = "jaxinfer_project_rows_f32"
+# Two rows and more go in the lanes of a vector of one of these widths, the rows padded to it.
+ROW_LANES = (8, 16, 32)
+
+
+@functools.cache
+def max_rows() -> int:
+    """The most rows the kernel takes on this CPU: 32 where numba compiles for AVX-512 (eight outputs' chains of 32
+    rows fill 16 of its 32 registers), else 8 (AVX2's 16 registers hold eight chains of one 8-lane vector)."""
+    return ROW_LANES[-1] if numba_ffi.compiles_for_avx512() else ROW_LANES[0]
 
 
 @functools.cache
@@ -37,9 +45,10 @@ def unavailable() -> str | None:
 
 
 def supported(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `project_rows` runs x f[M, K] times w f[N, K] (or a stack f[L, N, K]): float32, 1-8 rows, on a CPU
-    whose kernel loads and whose library dot sums N outputs in an order the kernel has (`library_k_block`)."""
-    rows_ok = x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and w.ndim in (2, 3) and x.shape[1] == w.shape[-1]
+    """Whether `project_rows` runs x f[M, K] times w f[N, K] (or a stack f[L, N, K]): float32, 1 to `max_rows()`
+    rows, on a CPU whose kernel loads and whose library dot sums N outputs in an order the kernel has
+    (`library_k_block`)."""
+    rows_ok = x.ndim == 2 and 1 <= x.shape[0] <= max_rows() and w.ndim in (2, 3) and x.shape[1] == w.shape[-1]
     dtypes_ok = x.dtype == jnp.float32 and w.dtype == jnp.float32
     return rows_ok and dtypes_ok and unavailable() is None and library_k_block(w.shape[-2]) is not None
 
@@ -79,18 +88,18 @@ def run_probe(fn, *args) -> np.ndarray:
 
 @functools.cache
 def _library_k_block(wide: bool) -> int | None:
-    """Probes the kernel against the library dot at `PROBE_SHAPES[wide]` for one row and five, once per process, in
-    one compiled program; on CPU."""
+    """Probes the kernel against the library dot at `PROBE_SHAPES[wide]` for one row, five and `max_rows()` (each
+    of the kernel's forms this CPU uses), once per process, in one compiled program; on CPU."""
     if unavailable() is not None:
         return None
     rng = np.random.default_rng(0)
-    cases = [(rng.standard_normal((16, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32))
+    cases = [(rng.standard_normal((max_rows(), k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32))
              for n, k in PROBE_SHAPES[wide]]  # fmt: skip
 
     def same(cases: list) -> jax.Array:  # bool[block]: the kernel's bits are the library's at every case and row
         return jnp.stack([
             jnp.all(jnp.stack([same_bits(project_rows(x[:rows], w, k_block=k_block), library_dot(x, w)[:rows])
-                               for x, w in cases for rows in (1, 5)]))
+                               for x, w in cases for rows in sorted({1, 5, max_rows()})]))
             for k_block in K_BLOCKS
         ])  # fmt: skip
 
@@ -99,9 +108,9 @@ def _library_k_block(wide: bool) -> int | None:
 
 
 def project_rows(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, k_block: int | None = None) -> jax.Array:
-    """x f32[M, K] (M <= 8) times w f32[N, K] transposed, or times layer `layer` (i32[]) of a stack w f32[L, N, K],
-    read in place -> f32[M, N], each output one chain of FMAs over each block of `k_block` inputs (None: the
-    library's, `library_k_block`), the blocks' sums added in order."""
+    """x f32[M, K] (M <= `max_rows()`) times w f32[N, K] transposed, or times layer `layer` (i32[]) of a stack w
+    f32[L, N, K], read in place -> f32[M, N], each output one chain of FMAs over each block of `k_block` inputs
+    (None: the library's, `library_k_block`), the blocks' sums added in order."""
     if unavailable() is not None:
         raise RuntimeError(f"the CPU projection kernel cannot run: {unavailable()}")
     rows, n = x.shape[0], w.shape[-2]
@@ -110,6 +119,9 @@ def project_rows(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, k_b
                        jnp.int32(k_block)])  # fmt: skip
     if rows == 1:  # outputs in lanes: x f32[K] -> f32[N]
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), jnp.float32))(x[0], w, index)[None]
-    xt = jnp.pad(x, ((0, MAX_ROWS - rows), (0, 0))).T  # f32[K, 8]: rows in lanes
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n, MAX_ROWS), jnp.float32))(xt, w, index)
+    if rows > max_rows():
+        raise ValueError(f"{rows} rows: the CPU projection kernel takes at most {max_rows()} on this CPU")
+    lanes = next(lanes for lanes in ROW_LANES if lanes >= rows)
+    xt = jnp.pad(x, ((0, lanes - rows), (0, 0))).T  # f32[K, lanes]: rows in lanes
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n, lanes), jnp.float32))(xt, w, index)
     return out[:, :rows].T

@@ -1,24 +1,24 @@
-"""The numba side of kernels_pallas/project_cpu.py: a float32 projection of 1-8 rows whose every output is summed in
-the order XLA:CPU's library dot (YNNPACK) sums it for any number of rows from 2 up, and its XLA FFI handler.
+"""The numba side of kernels_pallas/project_cpu.py: a float32 projection of 1-32 rows whose every output is summed
+in the order XLA:CPU's library dot (YNNPACK) sums it for any number of rows from 2 up, and its XLA FFI handler.
 
 That order, measured on jax 0.10.2 for x f32[M, K] times a kernel stored f32[N, K], N a multiple of 16
 (tests/kernels/test_project_cpu.py holds the kernel to it): each output is one chain of fused multiply-adds over k in
 order, from zero, in blocks of inputs whose chains are then added in order. The block is each call's operand: 2048
 on the AVX2 EPYC, 512 on an AVX-512 one (znver4) for N a multiple of 64 (kernels_pallas/project_cpu.py probes
-which). XLA:CPU's one-row forms (a
-fused loop, Eigen's GEMV) sum in other orders, and YNNPACK itself, handed a one-row product, ran it 2x slower than
-the fused loop (it repacks the kernel every call).
+which). XLA:CPU's one-row forms (a fused loop, Eigen's GEMV) sum in other orders, and YNNPACK itself, handed a
+one-row product, ran it 2x slower than the fused loop (it repacks the kernel every call).
 
 Two kernels, one chain of vector FMAs per output either way:
-- 2-8 rows (`_block_function`): the rows in the eight lanes of a vector (padded to 8), eight outputs at a time: per
-  kernel element one broadcast load and one FMA;
+- 2 rows and more (`_block_function`): the rows in the lanes of a vector of 8, 16 or 32 (padded), eight outputs at
+  a time: per kernel element one broadcast load and one FMA per vector register;
 - one row (`_row1_function`): eight outputs in the lanes, each 8 x 8 tile of kernel rows transposed in registers;
   two such chains over 16 rows side by side on AVX-512 hosts.
 Both stream each kernel row from memory once, a block of rows at a time, and fetch the next block ahead in memory
 order. XLA's thread pool runs them on every core (`_run_function`). Measured on the 2-core AVX2 EPYC: one row ran
 at 0.85-0.87x the pace of XLA's fused loop on SmolLM2's projections (the fused loop reads one row at a time; a
 chain needs eight rows side by side), eight rows 1.2-1.3x faster than YNNPACK's weight-left form. On the AVX-512
-znver4 EPYC the one-row step runs at XLA's pace (benchmarks/README.md).
+znver4 EPYC the one-row step runs at XLA's pace, and steps of 12-32 rows 1.3-1.8x faster than with YNNPACK's dots
+(benchmarks/README.md).
 
 Imported on first use only; the handler is compiled once per machine into numba's cache (`__pycache__` beside this
 file, or NUMBA_CACHE_DIR), about 7 s on 2 cores, then loads in a fraction of a second.
@@ -31,33 +31,24 @@ from llvmlite import ir
 from numba import carray, cfunc, njit, types
 from numba.core.extending import intrinsic
 
-from kernels_pallas.numba_ffi import jit_helpers, start_threads
+from kernels_pallas.numba_ffi import compiles_for_avx512, jit_helpers, start_threads
+from kernels_pallas.project_cpu import ROW_LANES  # (a change there: clear numba's cache)
 from kernels_pallas.ragged_cpu_numba import _IRLoop  # the IR loop emitter (a change there: clear numba's cache)
 
 start_threads()  # before the cached parallel code below loads
 _h = jit_helpers()
 answer_non_execute, buffer, data, dim, null = _h.answer_non_execute, _h.buffer, _h.data, _h.dim, _h.null
 
-LANES = 8  # rows per call: float32 lanes of an AVX2 vector
-# 2-8 rows: outputs per pass over k, eight independent FMA chains (four ran at the FMA's latency).
+LANES = 8  # float32 lanes of an AVX2 vector: the one-row kernel's outputs per chain
+# 2 and more rows: outputs per pass over k, eight independent FMA chains (four ran at the FMA's latency), the rows in
+# the lanes of a vector of one of `ROW_LANES` widths (kernels_pallas/project_cpu.py picks it).
 _OUTPUTS = 8
-_FN = "jaxinfer_project_rows8"
-
-
-def _has_avx512() -> bool:
-    """Whether numba compiles for a CPU with AVX-512 (the host, unless NUMBA_CPU_NAME names another)."""
-    from numba.core import config
-
-    if config.CPU_NAME and config.CPU_NAME != "host":
-        return "+avx512f" in (config.CPU_FEATURES or "")
-    from llvmlite import binding
-
-    return bool(binding.get_host_cpu_features().get("avx512f"))
+_FN = "jaxinfer_project_rows"
 
 
 # The settings below were measured per CPU class (benchmarks/README.md): the 2-core AVX2 EPYC, and the AVX-512
 # znver4 EPYC whose settings AVX-512 hosts take.
-_AVX512 = _has_avx512()
+_AVX512 = compiles_for_avx512()
 # The cache level the next block of kernel rows is fetched into (llvm.prefetch's locality: 3 is L1, 1 is L2 on these
 # parts). Fetched into L1, a block of 8 or 16 rows of a 576-wide kernel (18 or 36 KB) evicted the block being read
 # from the 32 KB L1 on znver4: into L2, 2-8 rows took 0.54x XLA's time against 0.70x, and two one-row chains read
@@ -72,16 +63,18 @@ _ROW1_OUTPUTS = LANES * _ROW1_CHAINS
 _ROW1_FN = "jaxinfer_project_row1"
 
 
-def _block_function(module):
-    """Emits `void block(xT, w, out, k, k0, k1, first)` into the module once: for the `_OUTPUTS` kernel rows at w
-    (f32[_OUTPUTS, k], row-major), the sums over inputs k0..k1-1 of w[o, i] * xT[i, :] (xT f32[k, 8]: rows in lanes),
-    one FMA chain per output from zero, stored to out (f32[_OUTPUTS, 8]) when `first`, else added to it."""
-    fn = module.globals.get(_FN)
+def _block_function(module, lanes: int):
+    """Emits `void block(xT, w, out, k, k0, k1, first)` into the module once per lane count: for the `_OUTPUTS`
+    kernel rows at w (f32[_OUTPUTS, k], row-major), the sums over inputs k0..k1-1 of w[o, i] * xT[i, :] (xT
+    f32[k, lanes]: rows in lanes), one FMA chain per output and row from zero, stored to out (f32[_OUTPUTS, lanes])
+    when `first`, else added to it. A vector of 16 or 32 lanes is one or two AVX-512 registers (LLVM splits it)."""
+    name = f"{_FN}_{lanes}"
+    fn = module.globals.get(name)
     if fn is not None:
         return fn
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-    v8, v8i, fp = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES), f32.as_pointer()
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [fp, fp, fp, i64, i64, i64, i64]), _FN)
+    v8, v8i, fp = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes), f32.as_pointer()
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [fp, fp, fp, i64, i64, i64, i64]), name)
     fn.linkage = "internal"
     xt, w, out, k, k0, k1, first = fn.args
     fma = module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(v8, [v8, v8, v8]))
@@ -90,7 +83,7 @@ def _block_function(module):
     entry = fn.append_basic_block("entry")
     loop, tail = fn.append_basic_block("k"), fn.append_basic_block("store")
     b = ir.IRBuilder(entry)
-    zero = ir.Constant(v8, [0.0] * LANES)
+    zero = ir.Constant(v8, [0.0] * lanes)
     b.branch(loop)
     b.position_at_end(loop)
     i = b.phi(i64)
@@ -98,7 +91,7 @@ def _block_function(module):
     accs = [b.phi(v8) for _ in range(_OUTPUTS)]
     for a in accs:
         a.add_incoming(zero, entry)
-    x = b.load(b.bitcast(b.gep(xt, [b.mul(i, ir.Constant(i64, LANES))]), v8.as_pointer()), align=4)
+    x = b.load(b.bitcast(b.gep(xt, [b.mul(i, ir.Constant(i64, lanes))]), v8.as_pointer()), align=4)
     # Every 16 inputs, fetch the next 512 bytes of the next outputs' kernel rows, in memory order: by the end of a
     # pass the next block is in cache. Eight rows read side by side, each a line at a time, outran the hardware's
     # prefetchers (16 GB/s, against 27 for XLA's loop over one row at a time).
@@ -113,7 +106,7 @@ def _block_function(module):
     for o, a in enumerate(accs):
         s = b.load(b.gep(w, [b.add(b.mul(ir.Constant(i64, o), k), i)]))
         s = b.insert_element(ir.Constant(v8, ir.Undefined), s, ir.Constant(i32, 0))
-        s = b.shuffle_vector(s, s, ir.Constant(v8i, [0] * LANES))
+        s = b.shuffle_vector(s, s, ir.Constant(v8i, [0] * lanes))
         new.append(b.call(fma, [s, x, a]))  # w * x + acc, rounded once, as YNNPACK's kernel
     nxt = b.add(i, ir.Constant(i64, 1))
     i.add_incoming(nxt, b.block)
@@ -123,7 +116,7 @@ def _block_function(module):
     b.position_at_end(tail)
     is_first = b.icmp_signed("!=", first, ir.Constant(i64, 0))
     for o, n in enumerate(new):
-        dst = b.bitcast(b.gep(out, [ir.Constant(i64, o * LANES)]), v8.as_pointer())
+        dst = b.bitcast(b.gep(out, [ir.Constant(i64, o * lanes)]), v8.as_pointer())
         b.store(b.select(is_first, n, b.fadd(b.load(dst, align=4), n)), dst, align=4)
     b.ret_void()
     return fn
@@ -243,7 +236,7 @@ def _row1_function(module):
     return fn
 
 
-def _block_intrinsic(one_row: bool):
+def _block_intrinsic(lanes: int):
     """An intrinsic that calls `_row1_function` (one row) or `_block_function` (emitted into the caller's module
     once); the arrays as addresses."""
 
@@ -252,7 +245,7 @@ def _block_intrinsic(one_row: bool):
         sig = types.void(types.uintp, types.uintp, types.uintp, types.int64, types.int64, types.int64, types.int64)
 
         def codegen(context, builder, signature, args):
-            fn = _row1_function(builder.module) if one_row else _block_function(builder.module)
+            fn = _row1_function(builder.module) if lanes == 1 else _block_function(builder.module, lanes)
             ptr = fn.function_type.args[0]
             builder.call(fn, [builder.inttoptr(a, ptr) for a in args[:3]] + list(args[3:]))
             return context.get_dummy_value()
@@ -279,24 +272,24 @@ _ROW1_CLAIM = 16 if _AVX512 else _CLAIM
 _API_ERROR_DESTROY, _API_SCHEDULE, _API_NUM_THREADS = 8, 17, 18
 
 
-def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter)
-    """Emits `void run(api, ctx, xt, w, out, blocks, k)` into the module once: every full block of outputs through
-    `_row1_function` (one_row: x f32[K], out f32[N]) or `_block_function` (xT f32[K, 8], out f32[N, 8]), shared
-    with XLA's own threads. The caller schedules a task per other thread of XLA's pool (XLA_FFI_ThreadPool_Schedule:
-    the threads that run XLA's loops and library dots, idle while this call runs; numba's own threads fought them
-    for the two cores, and a 7 MB kernel's row ran 1.4x slower than on one thread).
+def _run_function(module, lanes: int):  # noqa: C901 (one straight IR emitter)
+    """Emits `void run(api, ctx, xt, w, out, blocks, k)` into the module once per lane count: every full block of
+    outputs through `_row1_function` (lanes 1: x f32[K], out f32[N]) or `_block_function` (xT f32[K, lanes], out
+    f32[N, lanes]), shared with XLA's own threads. The caller schedules a task per other thread of XLA's pool
+    (XLA_FFI_ThreadPool_Schedule: the threads that run XLA's loops and library dots, idle while this call runs;
+    numba's own threads fought them for the two cores, and a 7 MB kernel's row ran 1.4x slower than on one thread).
     Caller and tasks claim `_CLAIM` blocks (one row: `_ROW1_CLAIM`) at a time from a shared counter until none is
     left; the caller then waits for the claims in progress only. A task that starts after that finds nothing to
     claim, so the caller never waits for a thread that is busy elsewhere. The state lives on the heap; whoever
     leaves it last frees it.
     api = 0: the caller alone (a direct call, in tests)."""
-    base = _ROW1_FN if one_row else _FN
+    base = _ROW1_FN if lanes == 1 else f"{_FN}_{lanes}"
     name = base + "_run"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    block = _row1_function(module) if one_row else _block_function(module)
-    outputs, out_stride, claim = (_ROW1_OUTPUTS, 1, _ROW1_CLAIM) if one_row else (_OUTPUTS, LANES, _CLAIM)
+    block = _row1_function(module) if lanes == 1 else _block_function(module, lanes)
+    outputs, claim = (_ROW1_OUTPUTS, _ROW1_CLAIM) if lanes == 1 else (_OUTPUTS, _CLAIM)
     f32, i64, i8p, void = ir.FloatType(), ir.IntType(64), ir.IntType(8).as_pointer(), ir.VoidType()
     i64p, fp = i64.as_pointer(), f32.as_pointer()
 
@@ -329,7 +322,7 @@ def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter
     last = b.select(b.icmp_signed("<", last, blocks), last, blocks)
     blk = _IRLoop(b, work, first, last, "block")
     o = b.mul(blk.i, c64(outputs))
-    wo, oo = b.gep(w, [b.mul(o, k)]), b.gep(out, [b.mul(o, c64(out_stride))])
+    wo, oo = b.gep(w, [b.mul(o, k)]), b.gep(out, [b.mul(o, c64(lanes))])
     kb = _IRLoop(b, work, c64(0), k_blocks, "kblock")
     k0 = b.mul(kb.i, k_block)
     k1 = b.add(k0, k_block)
@@ -407,7 +400,7 @@ def _run_function(module, one_row: bool):  # noqa: C901 (one straight IR emitter
     return fn
 
 
-def _run_intrinsic(one_row: bool):
+def _run_intrinsic(lanes: int):
     """An intrinsic that calls `_run_function` (emitted into the caller's module once); addresses as integers."""
 
     @intrinsic
@@ -415,7 +408,7 @@ def _run_intrinsic(one_row: bool):
         sig = types.void(*([types.int64] * 8))
 
         def codegen(context, builder, signature, args):
-            builder.call(_run_function(builder.module, one_row), list(args))
+            builder.call(_run_function(builder.module, lanes), list(args))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -423,12 +416,12 @@ def _run_intrinsic(one_row: bool):
     return run
 
 
-def _project_function(one_row: bool):
-    """The projection for one row (x f32[K], out f32[N]) or 2-8 rows (xT f32[K, 8], out f32[N, 8]): out = w f32[N, K]
-    times x, each output summed in YNNPACK's order (module docstring). api, ctx: the FFI call frame's (XLA's
-    thread pool takes part), or 0 (this thread alone)."""
-    block, run = _block_intrinsic(one_row), _run_intrinsic(one_row)
-    group = _ROW1_OUTPUTS if one_row else _OUTPUTS
+def _project_function(lanes: int):
+    """The projection for one row (lanes 1: x f32[K], out f32[N]) or rows in lanes (xT f32[K, lanes], out
+    f32[N, lanes]): out = w f32[N, K] times x, each output summed in YNNPACK's order (module docstring). api, ctx:
+    the FFI call frame's (XLA's thread pool takes part), or 0 (this thread alone)."""
+    block, run = _block_intrinsic(lanes), _run_intrinsic(lanes)
+    group = _ROW1_OUTPUTS if lanes == 1 else _OUTPUTS
 
     @njit
     def project(x, w, out, k_block, api=0, ctx=0):
@@ -451,13 +444,14 @@ def _project_function(one_row: bool):
     return project
 
 
-project_row1, project_rows8 = _project_function(True), _project_function(False)
+project_row1 = _project_function(1)
+project_rows8, project_rows16, project_rows32 = (_project_function(lanes) for lanes in ROW_LANES)
 
 
 def _handle(frame_ptr):
-    """Operands: x f32[K] (one row) or xT f32[K, 8] (2-8 rows in lanes); the kernel, f32[N, K] or a stack of them
-    f32[L, N, K]; i32[2], which of the stack's kernels (read in place, where a slice would be a copy) and the block
-    of inputs whose chains are summed apart. Result f32[N] or f32[N, 8]."""
+    """Operands: x f32[K] (one row) or xT f32[K, lanes] (rows in the lanes, `ROW_LANES`); the kernel, f32[N, K] or a
+    stack of them f32[L, N, K]; i32[2], which of the stack's kernels (read in place, where a slice would be a copy)
+    and the block of inputs whose chains are summed apart. Result f32[N] or f32[N, lanes]."""
     frame = carray(frame_ptr, (15,), dtype=np.int64)
     if answer_non_execute(frame):
         return null()
@@ -472,8 +466,14 @@ def _handle(frame_ptr):
         project_row1(carray(data(bx), (k,), dtype=np.float32), w, carray(data(bo), (n,), dtype=np.float32),
                      k_block, frame[2], frame[3])  # fmt: skip
     else:
-        project_rows8(carray(data(bx), (k, LANES), dtype=np.float32), w,
-                      carray(data(bo), (n, LANES), dtype=np.float32), k_block, frame[2], frame[3])  # fmt: skip
+        lanes = dim(bx, 1)
+        xt, out = carray(data(bx), (k, lanes), dtype=np.float32), carray(data(bo), (n, lanes), dtype=np.float32)
+        if lanes == 8:
+            project_rows8(xt, w, out, k_block, frame[2], frame[3])
+        elif lanes == 16:
+            project_rows16(xt, w, out, k_block, frame[2], frame[3])
+        else:
+            project_rows32(xt, w, out, k_block, frame[2], frame[3])
     return null()
 
 

@@ -137,9 +137,10 @@ WEIGHT_LEFT_MAX_ROWS = 128
 WEIGHT_LEFT_MAX_OUT_BYTES = 8 << 20
 # The weight-left form sums in x @ W^T's order only for whole multiples of this many rows (benchmarks/README.md).
 WEIGHT_LEFT_ROWS_MULTIPLE = 16
-# Up to this many rows, float32 projections on CPU take kernels_pallas.project_cpu (at most its MAX_ROWS). 0: XLA's
-# own forms, which are not batch-invariant at one row or eight (`ab_step --variants layers.PROJECTION_KERNEL_ROWS=0`).
-PROJECTION_KERNEL_ROWS = 8
+# Up to this many rows, float32 projections on CPU take kernels_pallas.project_cpu (at most its max_rows(): 8, or 32
+# on AVX-512). 0: XLA's own forms, which are not batch-invariant at one row or eight (`ab_step --variants
+# layers.PROJECTION_KERNEL_ROWS=0`).
+PROJECTION_KERNEL_ROWS = 32
 
 _SHARDED = contextvars.ContextVar("jaxinfer_sharded_step", default=False)
 
@@ -163,9 +164,10 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     request samples the same tokens alone and batched; tests/engine/test_llm.py, tests/model/test_project.py). XLA's
     library dot (YNNPACK) sums every output of x @ W^T in one order for 2 rows and more, given an output count that is a
     multiple of 16, and so do the forms below (benchmarks/README.md, "batch-invariant projections"):
-    - 1-8 rows of float32: `kernels_pallas.project_cpu`, a kernel that sums in that order, at the pace the weights
-      stream from memory (XLA's one-row forms, a fused loop and Eigen's GEMV, sum in other orders; YNNPACK itself
-      runs one row 2x slower than them);
+    - 1-8 rows of float32 (1-32 on AVX-512): `kernels_pallas.project_cpu`, a kernel that sums in that order, at
+      the pace the weights stream from memory (XLA's one-row forms, a fused loop and Eigen's GEMV, sum in other
+      orders; YNNPACK itself runs one row 2x slower than them; on znver4 a decode step of 12-32 rows took 1.3-1.8x
+      as long with the library's dots as with the kernel);
     - one row the kernel does not take (another dtype, an output count not a multiple of 16, no numba, or a
       sharded step), as before the kernel, not batch-invariant: the vector times W's transpose, which XLA:CPU fuses
       with the vector's producers (the norm) and with the slice of a stacked kernel into one loop over W's rows,

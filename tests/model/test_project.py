@@ -64,17 +64,18 @@ def _form(text: str) -> str:
     "rows,out,in_shape,in_branch",
     [(1, 48, (32,), False), (1, 48, (32,), True), (1, 48, (2, 16), False), (8, 48, (32,), False),
      (1, 40, (32,), False), (1, 40, (32,), True), (1, 40, (2, 16), False), (8, 40, (32,), False),
-     (9, 48, (32,), False), (128, 48, (32,), False), (129, 48, (32,), False), (64, 40000, (32,), False)],
+     (9, 48, (32,), False), (128, 48, (32,), False), (129, 48, (32,), False), (64, 40000, (32,), False),
+     (16, 64, (32,), False), (32, 64, (32,), False), (33, 64, (32,), False)],
 )  # fmt: skip
 def test_project_picks_the_measured_form(rows, out, in_shape, in_branch):
     """The form the docstring promises for each case (benchmarks/README.md has the measurements): on CPU, the
-    kernel for 1-8 float32 rows and an output count that is a multiple of 16 where it sums as the library does, else
-    the library's x @ W^T for those; the older one-row forms otherwise."""
+    kernel for 1-8 float32 rows (1-32 on AVX-512) and an output count that is a multiple of 16 where it sums as the
+    library does, else the library's x @ W^T for those; the older one-row forms otherwise."""
     x, w = jnp.ones((rows, *in_shape), jnp.float32), jnp.ones((out, *in_shape), jnp.float32)
     text = jax.jit(lambda x, w: project(x, w, len(in_shape), in_branch=in_branch)).lower(x, w).as_text()
     if jax.default_backend() != "cpu":
         want = "x_wt"
-    elif rows <= 8 and out % 16 == 0:
+    elif rows <= project_cpu.max_rows() and out % 16 == 0:
         want = "kernel" if project_cpu.library_k_block(out) is not None else "x_wt"
     elif rows == 1:
         want = "vector_times_wt" if not in_branch and len(in_shape) == 1 else "gemv"
