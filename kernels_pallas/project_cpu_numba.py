@@ -73,25 +73,25 @@ def _block_function(module, lanes: int):
     if fn is not None:
         return fn
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-    v8, v8i, fp = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes), f32.as_pointer()
+    vec, veci, fp = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes), f32.as_pointer()
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [fp, fp, fp, i64, i64, i64, i64]), name)
     fn.linkage = "internal"
     xt, w, out, k, k0, k1, first = fn.args
-    fma = module.declare_intrinsic("llvm.fma.v8f32", fnty=ir.FunctionType(v8, [v8, v8, v8]))
+    fma = module.declare_intrinsic(f"llvm.fma.v{lanes}f32", fnty=ir.FunctionType(vec, [vec, vec, vec]))
     i8p = ir.IntType(8).as_pointer()
     prefetch = module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
     entry = fn.append_basic_block("entry")
     loop, tail = fn.append_basic_block("k"), fn.append_basic_block("store")
     b = ir.IRBuilder(entry)
-    zero = ir.Constant(v8, [0.0] * lanes)
+    zero = ir.Constant(vec, [0.0] * lanes)
     b.branch(loop)
     b.position_at_end(loop)
     i = b.phi(i64)
     i.add_incoming(k0, entry)
-    accs = [b.phi(v8) for _ in range(_OUTPUTS)]
+    accs = [b.phi(vec) for _ in range(_OUTPUTS)]
     for a in accs:
         a.add_incoming(zero, entry)
-    x = b.load(b.bitcast(b.gep(xt, [b.mul(i, ir.Constant(i64, lanes))]), v8.as_pointer()), align=4)
+    x = b.load(b.bitcast(b.gep(xt, [b.mul(i, ir.Constant(i64, lanes))]), vec.as_pointer()), align=4)
     # Every 16 inputs, fetch the next 512 bytes of the next outputs' kernel rows, in memory order: by the end of a
     # pass the next block is in cache. Eight rows read side by side, each a line at a time, outran the hardware's
     # prefetchers (16 GB/s, against 27 for XLA's loop over one row at a time).
@@ -105,8 +105,8 @@ def _block_function(module, lanes: int):
     new = []
     for o, a in enumerate(accs):
         s = b.load(b.gep(w, [b.add(b.mul(ir.Constant(i64, o), k), i)]))
-        s = b.insert_element(ir.Constant(v8, ir.Undefined), s, ir.Constant(i32, 0))
-        s = b.shuffle_vector(s, s, ir.Constant(v8i, [0] * lanes))
+        s = b.insert_element(ir.Constant(vec, ir.Undefined), s, ir.Constant(i32, 0))
+        s = b.shuffle_vector(s, s, ir.Constant(veci, [0] * lanes))
         new.append(b.call(fma, [s, x, a]))  # w * x + acc, rounded once, as YNNPACK's kernel
     nxt = b.add(i, ir.Constant(i64, 1))
     i.add_incoming(nxt, b.block)
@@ -116,7 +116,7 @@ def _block_function(module, lanes: int):
     b.position_at_end(tail)
     is_first = b.icmp_signed("!=", first, ir.Constant(i64, 0))
     for o, n in enumerate(new):
-        dst = b.bitcast(b.gep(out, [ir.Constant(i64, o * lanes)]), v8.as_pointer())
+        dst = b.bitcast(b.gep(out, [ir.Constant(i64, o * lanes)]), vec.as_pointer())
         b.store(b.select(is_first, n, b.fadd(b.load(dst, align=4), n)), dst, align=4)
     b.ret_void()
     return fn

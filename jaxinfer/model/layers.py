@@ -195,7 +195,7 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     cpu = target_platform() == "cpu" and not _SHARDED.get()
     kernel = stack.stack.reshape(-1, n, k) if stack is not None else w.reshape(n, k)
     invariant_n = n % WEIGHT_LEFT_ROWS_MULTIPLE == 0
-    kernel_rows = cpu and rows <= PROJECTION_KERNEL_ROWS and invariant_n
+    kernel_rows = cpu and invariant_n and rows <= min(PROJECTION_KERNEL_ROWS, project_cpu.max_rows())
     if kernel_rows and project_cpu.supported(x2, kernel):
         layer = stack.index if stack is not None else None
         return project_cpu.project_rows(x2, kernel, layer).astype(out_dtype or x.dtype).reshape(*lead, *shape[:num_out])
