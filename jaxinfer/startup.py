@@ -13,6 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxinfer.cache.sizing import format_bytes
 from jaxinfer.host_memory import gc_paused
 
 
@@ -88,7 +89,8 @@ def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s:
     mesh_text = "single device" if mesh is None else " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
     tokens = runner.num_kv_tokens
     full_seqs = tokens // cc.max_model_len
-    kv_mib = tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jax.numpy.dtype(cfg.dtype).itemsize
+    # The pools as allocated, at their own dtype (a float32 model's pool is float16 on CPU by default).
+    kv_bytes = sum(a.nbytes for a in jax.tree.leaves(runner.kv))
     params = sum(x.size for x in jax.tree.leaves(runner.params))
     rows = [
         ("model", f"{model} ({cfg.arch}, {cfg.num_layers} layers, {params / 1e6:.0f}M parameters)"),
@@ -98,7 +100,7 @@ def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s:
         ("attention", f"{attention_kernels(runner)}; layers {runner.layer_loop}"),
         (
             "KV cache",
-            f"{tokens} tokens ({runner.num_pages} pages x {cc.block_size}, {kv_mib / 2**20:.0f} MiB) per "
+            f"{tokens} tokens ({runner.num_pages} pages x {cc.block_size}, {format_bytes(kv_bytes)}) per "
             f"replica = {full_seqs} sequences at max_model_len {cc.max_model_len}; "
             f"max_num_seqs {cc.max_num_seqs}",
         ),  # fmt: skip

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxinfer.cache.sizing import format_bytes
 from jaxinfer.config import ModelConfig
 from jaxinfer.device import (
     DeviceUnavailableError,
@@ -23,6 +25,7 @@ from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.runner import ModelRunner, kv_bytes_per_token
 from jaxinfer.model import init_params
 from jaxinfer.model_files import smollm2_gguf
+from jaxinfer.startup import WarmupReport, summary
 from jaxinfer.weights import checkpoint_dtype, load_weights
 
 
@@ -119,6 +122,11 @@ def test_kv_cache_dtype_sets_the_pool_and_its_size(kv_cache_dtype, caplog):
     # On CPU the dispatcher runs the numba kernel for a float32 pool, else the jnp path and says why.
     kind = "cpu_numba" if expected == jnp.float32 else "cpu_jnp; cpu_numba declined: q is bfloat16"
     assert f"attention: decode {kind}" in text and f"| mixed {kind}" in text
+    # The ready summary counts the pool at its own dtype, as the pool's line does (it counted the model's).
+    pool_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv)
+    assert pool_bytes == 128 * kv_bytes_per_token(TINY, kv_cache_dtype)  # 16 pages of 8 tokens
+    lines = summary(SimpleNamespace(runner=runner, cc=cc), "tiny", 1.0, WarmupReport(1.0, 1)).splitlines()
+    assert f"(16 pages x 8, {format_bytes(pool_bytes)})" in next(line for line in lines if "KV cache" in line)
 
 
 def test_kv_cache_dtype_follows_the_model_unless_set():
