@@ -289,10 +289,10 @@ def start_jaxinfer(args: argparse.Namespace, workloads: dict[str, list[Request]]
 
 def time_round(run: JaxRun, args: argparse.Namespace, workloads: dict[str, list[Request]], rnd: int) -> list[dict]:
     """One timed pass over every workload: a row each."""
-    from jaxinfer.engine.runner import compile_count, kv_bytes_per_token
+    from jaxinfer.engine.runner import compile_count
 
     je, engine, probe = run.je, run.je.engine, run.probe
-    page_bytes = kv_bytes_per_token(engine.cfg, engine.cc.kv_cache_dtype) * engine.cc.block_size
+    page_bytes = engine.runner.page_bytes
     rows = []
     for name, reqs in workloads.items():
         probe.reset()

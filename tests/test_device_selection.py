@@ -129,6 +129,25 @@ def test_kv_cache_dtype_sets_the_pool_and_its_size(kv_cache_dtype, caplog):
     assert f"(16 pages x 8, {format_bytes(pool_bytes)})" in next(line for line in lines if "KV cache" in line)
 
 
+def test_a_page_counts_the_pools_padded_rows(monkeypatch, caplog):
+    """Where the pools pad each stored row (to 128 lanes on TPU; forced here on CPU), a page's bytes, the pool's
+    start-up line and the host tier's blocks count the padding: a page copied to the host takes that much. They
+    counted the model's KV heads only, so on TPU the host tier held up to 2x its byte cap."""
+    import kernels_pallas
+    from jaxinfer.engine.engine import Engine
+
+    monkeypatch.setitem(kernels_pallas.POOL_LANE_MULTIPLE, "cpu", 128)
+    cc = CacheConfig(block_size=8, num_pages=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                     host_kv_cache_memory=1 << 20)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="jaxinfer.engine.runner"):
+        runner = ModelRunner(TINY, init_params(TINY), cc)
+    padded = 2 * TINY.num_layers * 8 * 128 * 4  # K and V of each layer, 8 tokens of 128 floats (2 heads x 8 used)
+    assert runner.page_bytes == padded == 8 * kv_bytes_per_token(TINY) * 8
+    assert f"({16 * padded / 2**20:.1f} MiB in all)" in caplog.text
+    host = Engine._host_tier(SimpleNamespace(runner=runner), cc)
+    assert host.block_bytes == padded and host.max_blocks == (1 << 20) // padded
+
+
 def test_kv_cache_dtype_follows_the_model_unless_set():
     assert resolve_kv_cache_dtype("auto", "bfloat16") == "bfloat16"
     assert resolve_kv_cache_dtype(None, "float32") == "float32"

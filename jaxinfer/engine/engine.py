@@ -29,7 +29,7 @@ from jaxinfer.cache.pages import PageAllocator
 from jaxinfer.cache.sessions import SessionStore
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import CacheConfig
-from jaxinfer.engine.runner import ModelRunner, kv_bytes_per_token, placeholder
+from jaxinfer.engine.runner import ModelRunner, placeholder
 from jaxinfer.engine.scheduler import Evicted, Load, Scheduler
 from jaxinfer.model.transformer import Params
 from jaxinfer.sampling import RowSampling
@@ -123,7 +123,7 @@ class Engine:
             why_not = "it keeps prefix-cache pages and prefix caching is off"
         elif jax.process_count() > 1:
             why_not = "its page copies are not broadcast to the other processes of a multi-host mesh"
-        block_bytes = cache.block_size * kv_bytes_per_token(self.runner.cfg, cache.kv_cache_dtype)
+        block_bytes = self.runner.page_bytes  # a host block is a page as the pools store it (padding included)
         host = HostTier(nbytes, block_bytes)
         if why_not is None and not host.enabled:
             why_not = f"{nbytes} bytes hold no page ({block_bytes} bytes each)"

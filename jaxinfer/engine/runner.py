@@ -330,6 +330,10 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=pool)
         self._fresh_kv = lambda: [(zeros(), zeros()) for _ in range(1 if self.layer_loop == "scan" else cfg.num_layers)]
         self.kv: KVPools = self._fresh_kv()
+        # One page's bytes in the pools as allocated: every layer's K and V, each stored row's padding included
+        # (rows pad to 128 lanes on TPU, where `kv_bytes_per_token` counts the model's KV heads only). A page copied
+        # to the host tier takes as much.
+        self.page_bytes = sum(a.nbytes for a in jax.tree.leaves(self.kv)) // self.num_pages
         # The last step's sampled tokens, kept on device for the next step's placeholders (overlap scheduling).
         # Every process of a multi-process mesh runs the same steps, so each keeps the same feed.
         self.feed = self._fresh_feed()
@@ -352,7 +356,7 @@ class ModelRunner:
             "KV pool: %d pages x %d tokens = %d tokens (%.1f MiB in all); up to %d sequences of %d tokens. "
             "Chosen: %s",
             self.num_pages, cache.block_size, self.num_pages * cache.block_size,
-            self.num_pages * cache.block_size * kv_bytes_per_token(cfg, cache.kv_cache_dtype) / 2**20,
+            self.num_pages * self.page_bytes / 2**20,
             cache.max_num_seqs, cache.max_model_len, sized.reason,
         )  # fmt: skip
         self._log_startup(kv_dtype.name)
