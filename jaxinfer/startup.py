@@ -90,7 +90,7 @@ def summary(engine: Any, model: str, load_s: float, warm: WarmupReport, ready_s:
     tokens = runner.num_kv_tokens
     full_seqs = tokens // cc.max_model_len
     # The pools as allocated, at their own dtype (a float32 model's pool is float16 on CPU by default).
-    kv_bytes = sum(a.nbytes for a in jax.tree.leaves(runner.kv))
+    kv_bytes = runner.num_pages * runner.page_bytes
     params = sum(x.size for x in jax.tree.leaves(runner.params))
     rows = [
         ("model", f"{model} ({cfg.arch}, {cfg.num_layers} layers, {params / 1e6:.0f}M parameters)"),

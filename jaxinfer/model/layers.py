@@ -205,7 +205,7 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     kernel_rows = wide > 0 and rows <= wide
     chunks = (wide == project_cpu.ROW_LANES[-1] and rows <= PROJECTION_CHUNK_ROWS
               and out_bytes <= WEIGHT_LEFT_MAX_OUT_BYTES)  # fmt: skip
-    if wide and (kernel_rows or chunks) and project_cpu.supported(x2[:wide], kernel):
+    if (kernel_rows or chunks) and project_cpu.supported(x2[:wide], kernel):
         layer = stack.index if stack is not None else None
         parts = [project_cpu.project_rows(x2[i : i + wide], kernel, layer) for i in range(0, rows, wide)]
         y = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
