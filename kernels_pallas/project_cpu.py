@@ -1,5 +1,5 @@
-"""Batch-invariant float32 projections of 1-8 rows (1-32 where numba compiles for AVX-512) on CPU: a numba kernel
-that the jitted step calls through XLA's FFI (kernels_pallas/project_cpu_numba.py).
+"""Batch-invariant float32 projections on CPU, one row or many (in chunks of 8 rows, or 32 where numba compiles for
+AVX-512): a numba kernel that the jitted step calls through XLA's FFI (kernels_pallas/project_cpu_numba.py).
 
 XLA:CPU's library dot (YNNPACK) sums each output of x @ W^T (W stored f32[N, K], N a multiple of 16) in one order for
 every row count from 2 up, and so does its weight-left form W @ x^T for whole multiples of 16 rows. One row is the
@@ -45,10 +45,9 @@ def unavailable() -> str | None:
 
 
 def supported(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `project_rows` runs x f[M, K] times w f[N, K] (or a stack f[L, N, K]): float32, 1 to `max_rows()`
-    rows, on a CPU whose kernel loads and whose library dot sums N outputs in an order the kernel has
-    (`library_k_block`)."""
-    rows_ok = x.ndim == 2 and 1 <= x.shape[0] <= max_rows() and w.ndim in (2, 3) and x.shape[1] == w.shape[-1]
+    """Whether `project_rows` runs x f[M, K] times w f[N, K] (or a stack f[L, N, K]): float32, one row or more, on
+    a CPU whose kernel loads and whose library dot sums N outputs in an order the kernel has (`library_k_block`)."""
+    rows_ok = x.ndim == 2 and x.shape[0] >= 1 and w.ndim in (2, 3) and x.shape[1] == w.shape[-1]
     dtypes_ok = x.dtype == jnp.float32 and w.dtype == jnp.float32
     return rows_ok and dtypes_ok and unavailable() is None and library_k_block(w.shape[-2]) is not None
 
@@ -107,21 +106,28 @@ def _library_k_block(wide: bool) -> int | None:
     return next((b for b, ok in zip(K_BLOCKS, matches, strict=True) if ok), None)
 
 
+def row_layout(rows: int) -> tuple[int, int]:
+    """How the kernel takes 2 rows and more: (lanes, padded). Whole chunks of `lanes` rows (the widest vector this
+    CPU's kernel has, or the narrowest that holds them all), then the rest in one chunk of the narrowest width that
+    holds it; `padded` rows in all, the padding rows zero."""
+    widths = [lanes for lanes in ROW_LANES if lanes <= max_rows()]
+    lanes = next((lanes for lanes in widths if lanes >= rows), widths[-1])
+    rest = rows % lanes
+    return lanes, rows - rest + (next(w for w in widths if w >= rest) if rest else 0)
+
+
 def project_rows(x: jax.Array, w: jax.Array, layer: jax.Array | None = None, k_block: int | None = None) -> jax.Array:
-    """x f32[M, K] (M <= `max_rows()`) times w f32[N, K] transposed, or times layer `layer` (i32[]) of a stack w
-    f32[L, N, K], read in place -> f32[M, N], each output one chain of FMAs over each block of `k_block` inputs
-    (None: the library's, `library_k_block`), the blocks' sums added in order."""
+    """x f32[M, K] times w f32[N, K] transposed, or times layer `layer` (i32[]) of a stack w f32[L, N, K], read in
+    place -> f32[M, N], each output one chain of FMAs over each block of `k_block` inputs (None: the library's,
+    `library_k_block`), the blocks' sums added in order. Rows in chunks (`row_layout`), one call."""
     if unavailable() is not None:
         raise RuntimeError(f"the CPU projection kernel cannot run: {unavailable()}")
     rows, n = x.shape[0], w.shape[-2]
     k_block = k_block or library_k_block(n) or K_BLOCKS[0]
+    lanes, padded = row_layout(rows)
     index = jnp.stack([jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32),
-                       jnp.int32(k_block)])  # fmt: skip
+                       jnp.int32(k_block), jnp.int32(lanes)])  # fmt: skip
     if rows == 1:  # outputs in lanes: x f32[K] -> f32[N]
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), jnp.float32))(x[0], w, index)[None]
-    if rows > max_rows():
-        raise ValueError(f"{rows} rows: the CPU projection kernel takes at most {max_rows()} on this CPU")
-    lanes = next(lanes for lanes in ROW_LANES if lanes >= rows)
-    xt = jnp.pad(x, ((0, lanes - rows), (0, 0))).T  # f32[K, lanes]: rows in lanes
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n, lanes), jnp.float32))(xt, w, index)
-    return out[:, :rows].T
+    xt = jnp.pad(x, ((0, padded - rows), (0, 0))).T  # f32[K, padded]: rows in columns, the kernel's vector lanes
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))(xt, w, index)

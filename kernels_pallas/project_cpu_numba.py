@@ -1,5 +1,6 @@
-"""The numba side of kernels_pallas/project_cpu.py: a float32 projection of 1-32 rows whose every output is summed
-in the order XLA:CPU's library dot (YNNPACK) sums it for any number of rows from 2 up, and its XLA FFI handler.
+"""The numba side of kernels_pallas/project_cpu.py: a float32 projection of any number of rows whose every output is
+summed in the order XLA:CPU's library dot (YNNPACK) sums it for any number of rows from 2 up, and its XLA FFI
+handler.
 
 That order, measured on jax 0.10.2 for x f32[M, K] times a kernel stored f32[N, K], N a multiple of 16
 (tests/kernels/test_project_cpu.py holds the kernel to it): each output is one chain of fused multiply-adds over k in
@@ -9,7 +10,8 @@ which). XLA:CPU's one-row forms (a fused loop, Eigen's GEMV) sum in other orders
 one-row product, ran it 2x slower than the fused loop (it repacks the kernel every call).
 
 Two kernels, one chain of vector FMAs per output either way:
-- 2 rows and more (`_block_function`): the rows in the lanes of a vector of 8, 16 or 32 (padded), eight outputs at
+- 2 rows and more (`_block_function`): the rows in the lanes of a vector of 8, 16 or 32 (padded; more rows in
+  chunks of the widest, each chunk's results transposed in registers into row-major rows), eight outputs at
   a time: per kernel element one broadcast load and one FMA per vector register;
 - one row (`_row1_function`): eight outputs in the lanes, each 8 x 8 tile of kernel rows transposed in registers;
   two such chains over 16 rows side by side on AVX-512 hosts.
@@ -64,19 +66,20 @@ _ROW1_FN = "jaxinfer_project_row1"
 
 
 def _block_function(module, lanes: int):
-    """Emits `void block(xT, w, out, k, k0, k1, first)` into the module once per lane count: for the `_OUTPUTS`
-    kernel rows at w (f32[_OUTPUTS, k], row-major), the sums over inputs k0..k1-1 of w[o, i] * xT[i, :] (xT
-    f32[k, lanes]: rows in lanes), one FMA chain per output and row from zero, stored to out (f32[_OUTPUTS, lanes])
-    when `first`, else added to it. A vector of 16 or 32 lanes is one or two AVX-512 registers (LLVM splits it)."""
+    """Emits `void block(xT, w, out, k, k0, k1, first, stride)` into the module once per lane count: for the
+    `_OUTPUTS` kernel rows at w (f32[_OUTPUTS, k], row-major), the sums over inputs k0..k1-1 of w[o, i] *
+    xT[i, :lanes] (xT: input i's `lanes` rows side by side, `stride` floats from input i - 1's), one FMA chain per
+    output and row from zero, stored to out (f32[_OUTPUTS, lanes]) when `first`, else added to it. A vector of 16
+    or 32 lanes is one or two AVX-512 registers (LLVM splits it)."""
     name = f"{_FN}_{lanes}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     vec, veci, fp = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes), f32.as_pointer()
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [fp, fp, fp, i64, i64, i64, i64]), name)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [fp, fp, fp, i64, i64, i64, i64, i64]), name)
     fn.linkage = "internal"
-    xt, w, out, k, k0, k1, first = fn.args
+    xt, w, out, k, k0, k1, first, stride = fn.args
     fma = module.declare_intrinsic(f"llvm.fma.v{lanes}f32", fnty=ir.FunctionType(vec, [vec, vec, vec]))
     i8p = ir.IntType(8).as_pointer()
     prefetch = module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
@@ -91,7 +94,7 @@ def _block_function(module, lanes: int):
     accs = [b.phi(vec) for _ in range(_OUTPUTS)]
     for a in accs:
         a.add_incoming(zero, entry)
-    x = b.load(b.bitcast(b.gep(xt, [b.mul(i, ir.Constant(i64, lanes))]), vec.as_pointer()), align=4)
+    x = b.load(b.bitcast(b.gep(xt, [b.mul(i, stride)]), vec.as_pointer()), align=4)
     # Every 16 inputs, fetch the next 512 bytes of the next outputs' kernel rows, in memory order: by the end of a
     # pass the next block is in cache. Eight rows read side by side, each a line at a time, outran the hardware's
     # prefetchers (16 GB/s, against 27 for XLA's loop over one row at a time).
@@ -120,6 +123,26 @@ def _block_function(module, lanes: int):
         b.store(b.select(is_first, n, b.fadd(b.load(dst, align=4), n)), dst, align=4)
     b.ret_void()
     return fn
+
+
+def _transpose8(b, rows):
+    """8 vectors of 8 floats (vector j: row j) -> 8 vectors (vector t: element t of rows 0-7), in shuffles."""
+    v8i = ir.VectorType(ir.IntType(32), LANES)
+
+    def shuf(x, y, idx):
+        return b.shuffle_vector(x, y, ir.Constant(v8i, idx))
+
+    t = []
+    for j in range(0, 8, 2):
+        t += [shuf(rows[j], rows[j + 1], [0, 8, 1, 9, 4, 12, 5, 13]),
+              shuf(rows[j], rows[j + 1], [2, 10, 3, 11, 6, 14, 7, 15])]  # fmt: skip
+    u = []
+    for j in (0, 4):
+        u += [shuf(t[j], t[j + 2], [0, 1, 8, 9, 4, 5, 12, 13]), shuf(t[j], t[j + 2], [2, 3, 10, 11, 6, 7, 14, 15]),
+              shuf(t[j + 1], t[j + 3], [0, 1, 8, 9, 4, 5, 12, 13]),
+              shuf(t[j + 1], t[j + 3], [2, 3, 10, 11, 6, 7, 14, 15])]  # fmt: skip
+    lo, hi = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    return [shuf(u[j], u[j + 4], lo) for j in range(4)] + [shuf(u[j], u[j + 4], hi) for j in range(4)]
 
 
 def _row1_function(module):
@@ -157,19 +180,6 @@ def _row1_function(module):
     def row_ptr(o, i):  # &w[o, i]
         return b.gep(w, [b.add(b.mul(c64(o), k), i)])
 
-    def transpose(rows):  # 8 vectors (row j: 8 inputs) -> 8 vectors (vector t: input t of rows 0-7)
-        t = []
-        for j in range(0, 8, 2):
-            t += [shuf(rows[j], rows[j + 1], [0, 8, 1, 9, 4, 12, 5, 13]),
-                  shuf(rows[j], rows[j + 1], [2, 10, 3, 11, 6, 14, 7, 15])]  # fmt: skip
-        u = []
-        for j in (0, 4):
-            u += [shuf(t[j], t[j + 2], [0, 1, 8, 9, 4, 5, 12, 13]), shuf(t[j], t[j + 2], [2, 3, 10, 11, 6, 7, 14, 15]),
-                  shuf(t[j + 1], t[j + 3], [0, 1, 8, 9, 4, 5, 12, 13]),
-                  shuf(t[j + 1], t[j + 3], [2, 3, 10, 11, 6, 7, 14, 15])]  # fmt: skip
-        lo, hi = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
-        return [shuf(u[j], u[j + 4], lo) for j in range(4)] + [shuf(u[j], u[j + 4], hi) for j in range(4)]
-
     chains = range(_ROW1_CHAINS)
     zero = ir.Constant(v8, [0.0] * LANES)
     whole = b.add(k0, b.mul(b.sdiv(b.sub(k1, k0), c64(8)), c64(8)))  # k0 + the whole tiles' inputs
@@ -189,8 +199,8 @@ def _row1_function(module):
             at = b.gep(w, [b.add(ahead, c64(16 * line))])
             locality = ir.Constant(i32, _LOCALITY)
             b.call(prefetch, [b.bitcast(at, i8p), ir.Constant(i32, 0), locality, ir.Constant(i32, 1)])
-    tiles = [transpose([b.load(b.bitcast(row_ptr(LANES * c + j, i), v8.as_pointer()), align=4) for j in range(LANES)])
-             for c in chains]  # fmt: skip
+    tiles = [_transpose8(b, [b.load(b.bitcast(row_ptr(LANES * c + j, i), v8.as_pointer()), align=4)
+                             for j in range(LANES)]) for c in chains]  # fmt: skip
     new = list(accs)
     for t in range(8):  # the tile's inputs in order; the chains interleaved, each at the FMA's latency
         xt = splat(b.gep(x, [b.add(i, c64(t))]))
@@ -237,17 +247,17 @@ def _row1_function(module):
 
 
 def _block_intrinsic(lanes: int):
-    """An intrinsic that calls `_row1_function` (one row) or `_block_function` (emitted into the caller's module
-    once); the arrays as addresses."""
+    """An intrinsic that calls `_row1_function` (one row: `stride` unused) or `_block_function` (emitted into the
+    caller's module once); the arrays as addresses."""
 
     @intrinsic
-    def block(typingctx, x, w, out, k, k0, k1, first):
-        sig = types.void(types.uintp, types.uintp, types.uintp, types.int64, types.int64, types.int64, types.int64)
+    def block(typingctx, x, w, out, k, k0, k1, first, stride):
+        sig = types.void(types.uintp, types.uintp, types.uintp, *([types.int64] * 5))
 
         def codegen(context, builder, signature, args):
             fn = _row1_function(builder.module) if lanes == 1 else _block_function(builder.module, lanes)
             ptr = fn.function_type.args[0]
-            builder.call(fn, [builder.inttoptr(a, ptr) for a in args[:3]] + list(args[3:]))
+            builder.call(fn, [builder.inttoptr(a, ptr) for a in args[:3]] + list(args[3 : len(fn.args)]))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -256,9 +266,11 @@ def _block_intrinsic(lanes: int):
 
 
 # The shared state of one call, i64 words: the next claim, the claims done, the references held (the caller and
-# each task), the number of claims, xT, w, out (addresses), K, the number of blocks of `_OUTPUTS` outputs, and the
-# block of inputs whose chains are summed apart.
-_NEXT, _DONE, _REFS, _CLAIMS, _XT, _W, _OUT, _K, _BLOCKS, _KB = range(10)
+# each task), the number of claims, xT, w, out (addresses), K, the number of blocks of `_OUTPUTS` outputs, the
+# block of inputs whose chains are summed apart; then, for rows in lanes, xT's stride (floats from one input's rows
+# to the next's), the chunks of `lanes` rows, the rows, and N (out's row length).
+_NEXT, _DONE, _REFS, _CLAIMS, _XT, _W, _OUT, _K, _BLOCKS, _KB, _STRIDE, _CHUNKS, _ROWS, _N = range(14)
+_WORDS = 14
 # Blocks of outputs per claim (32 outputs: 74 KB of a 576-wide kernel): small enough that a projection of a few
 # hundred outputs still spreads over two threads.
 _CLAIM = 4
@@ -273,11 +285,16 @@ _API_ERROR_DESTROY, _API_SCHEDULE, _API_NUM_THREADS = 8, 17, 18
 
 
 def _run_function(module, lanes: int):  # noqa: C901 (one straight IR emitter)
-    """Emits `void run(api, ctx, xt, w, out, blocks, k)` into the module once per lane count: every full block of
-    outputs through `_row1_function` (lanes 1: x f32[K], out f32[N]) or `_block_function` (xT f32[K, lanes], out
-    f32[N, lanes]), shared with XLA's own threads. The caller schedules a task per other thread of XLA's pool
-    (XLA_FFI_ThreadPool_Schedule: the threads that run XLA's loops and library dots, idle while this call runs;
-    numba's own threads fought them for the two cores, and a 7 MB kernel's row ran 1.4x slower than on one thread).
+    """Emits `void run(api, ctx, xt, w, out, blocks, k, k_block, stride, chunks, rows, n)` into the module once per
+    lane count: every full block of outputs through `_row1_function` (lanes 1: x f32[K], out f32[N]) or
+    `_block_function` (rows in lanes: `chunks` chunks of `lanes` rows, chunk c's input i at xT[i * stride + c *
+    lanes]; out f32[rows, n], row-major), shared with XLA's own threads. For rows in lanes each block of outputs
+    is summed into a tile f32[_OUTPUTS, lanes] per chunk, which is then transposed in registers into the chunk's
+    rows of out: XLA's transposes of an f32[N, lanes] result and the concatenation of chunks made a 64- and 128-row
+    decode step 2-4% slower on znver4 (benchmarks/README.md). A block's kernel rows stay in cache over the chunks.
+    The caller schedules a task per other thread of XLA's pool (XLA_FFI_ThreadPool_Schedule: the threads that run
+    XLA's loops and library dots, idle while this call runs; numba's own threads fought them for the two cores, and
+    a 7 MB kernel's row ran 1.4x slower than on one thread).
     Caller and tasks claim `_CLAIM` blocks (one row: `_ROW1_CLAIM`) at a time from a shared counter until none is
     left; the caller then waits for the claims in progress only. A task that starts after that finds nothing to
     claim, so the caller never waits for a thread that is busy elsewhere. The state lives on the heap; whoever
@@ -291,7 +308,7 @@ def _run_function(module, lanes: int):  # noqa: C901 (one straight IR emitter)
     block = _row1_function(module) if lanes == 1 else _block_function(module, lanes)
     outputs, claim = (_ROW1_OUTPUTS, _ROW1_CLAIM) if lanes == 1 else (_OUTPUTS, _CLAIM)
     f32, i64, i8p, void = ir.FloatType(), ir.IntType(64), ir.IntType(8).as_pointer(), ir.VoidType()
-    i64p, fp = i64.as_pointer(), f32.as_pointer()
+    i64p, fp, v8p = i64.as_pointer(), f32.as_pointer(), ir.VectorType(f32, LANES).as_pointer()
 
     def c64(x):
         return ir.Constant(i64, x)
@@ -307,9 +324,14 @@ def _run_function(module, lanes: int):  # noqa: C901 (one straight IR emitter)
     work.linkage = "internal"
     b = ir.IRBuilder(work.append_basic_block("entry"))
     st = work.args[0]
-    word = [b.gep(st, [c64(i)]) for i in range(10)]
+    word = [b.gep(st, [c64(i)]) for i in range(_WORDS)]
     claims, blocks, k, k_block = b.load(word[_CLAIMS]), b.load(word[_BLOCKS]), b.load(word[_K]), b.load(word[_KB])
+    stride, chunks, rows, n = (b.load(word[i]) for i in (_STRIDE, _CHUNKS, _ROWS, _N))
     xt, w, out = (b.inttoptr(b.load(word[i]), fp) for i in (_XT, _W, _OUT))
+    if lanes > 1:  # a thread's tile, f32[_OUTPUTS, lanes]
+        slot = b.alloca(ir.ArrayType(f32, _OUTPUTS * lanes))
+        slot.align = 64
+        tile = b.bitcast(slot, fp)
     k_blocks = b.sdiv(b.sub(b.add(k, k_block), c64(1)), k_block)
     claim_bb, do_bb, done_bb = (work.append_basic_block(n) for n in ("claim", "do", "done"))
     b.branch(claim_bb)
@@ -322,13 +344,31 @@ def _run_function(module, lanes: int):  # noqa: C901 (one straight IR emitter)
     last = b.select(b.icmp_signed("<", last, blocks), last, blocks)
     blk = _IRLoop(b, work, first, last, "block")
     o = b.mul(blk.i, c64(outputs))
-    wo, oo = b.gep(w, [b.mul(o, k)]), b.gep(out, [b.mul(o, c64(lanes))])
-    kb = _IRLoop(b, work, c64(0), k_blocks, "kblock")
-    k0 = b.mul(kb.i, k_block)
-    k1 = b.add(k0, k_block)
-    k1 = b.select(b.icmp_signed("<", k1, k), k1, k)
-    b.call(block, [xt, wo, oo, k, k0, k1, b.zext(b.icmp_signed("==", kb.i, c64(0)), i64)])
-    kb.close()
+    wo = b.gep(w, [b.mul(o, k)])
+
+    def sum_blocks(x, dst, *extra):  # every block of inputs into dst: stored by the first, added by the others
+        kb = _IRLoop(b, work, c64(0), k_blocks, "kblock")
+        k0 = b.mul(kb.i, k_block)
+        k1 = b.add(k0, k_block)
+        k1 = b.select(b.icmp_signed("<", k1, k), k1, k)
+        b.call(block, [x, wo, dst, k, k0, k1, b.zext(b.icmp_signed("==", kb.i, c64(0)), i64), *extra])
+        kb.close()
+
+    if lanes == 1:
+        sum_blocks(xt, b.gep(out, [o]))
+    else:
+        chunk = _IRLoop(b, work, c64(0), chunks, "chunk")
+        row0 = b.mul(chunk.i, c64(lanes))
+        sum_blocks(b.gep(xt, [row0]), tile, stride)
+        count = b.sub(rows, row0)  # the chunk's rows to store (the last chunk's padding rows are not)
+        dst = b.gep(out, [b.add(b.mul(row0, n), o)])
+        for r0 in range(0, lanes, _OUTPUTS):  # the tile's rows r0..r0+7 of its eight outputs, transposed
+            rows8 = _transpose8(b, [b.load(b.bitcast(b.gep(tile, [c64(j * lanes + r0)]), v8p), align=4)
+                                    for j in range(_OUTPUTS)])  # fmt: skip
+            for j, row in enumerate(rows8):
+                with b.if_then(b.icmp_signed("<", c64(r0 + j), count)):
+                    b.store(row, b.bitcast(b.gep(dst, [b.mul(c64(r0 + j), n)]), v8p), align=4)
+        chunk.close()
     blk.close()
     b.atomic_rmw("add", word[_DONE], c64(1), "release")
     b.branch(claim_bb)
@@ -349,17 +389,17 @@ def _run_function(module, lanes: int):  # noqa: C901 (one straight IR emitter)
     release(b, state)
     b.ret_void()
 
-    # run(api, ctx, xt, w, out, blocks, k, k_block)
-    fn = ir.Function(module, ir.FunctionType(void, [i64] * 8), name)
+    # run(api, ctx, xt, w, out, blocks, k, k_block, stride, chunks, rows, n)
+    fn = ir.Function(module, ir.FunctionType(void, [i64] * 12), name)
     fn.linkage = "internal"
-    api, ctx, xt_a, w_a, out_a, blocks, k, k_block = fn.args
+    api, ctx, xt_a, w_a, out_a, blocks, k, k_block, stride, chunks, rows, n = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     threads = b.alloca(i64)
     args = b.alloca(ir.ArrayType(i64, 5))
     claims = b.sdiv(b.add(blocks, c64(claim - 1)), c64(claim))
-    state = b.bitcast(b.call(malloc, [c64(8 * 10)]), i64p)
+    state = b.bitcast(b.call(malloc, [c64(8 * _WORDS)]), i64p)
     values = {_NEXT: c64(0), _DONE: c64(0), _REFS: c64(1), _CLAIMS: claims, _XT: xt_a, _W: w_a, _OUT: out_a, _K: k,
-              _BLOCKS: blocks, _KB: k_block}  # fmt: skip
+              _BLOCKS: blocks, _KB: k_block, _STRIDE: stride, _CHUNKS: chunks, _ROWS: rows, _N: n}  # fmt: skip
     for i, v in values.items():
         b.store(v, b.gep(state, [c64(i)]))
     api_p = b.inttoptr(api, i64p)
@@ -404,8 +444,8 @@ def _run_intrinsic(lanes: int):
     """An intrinsic that calls `_run_function` (emitted into the caller's module once); addresses as integers."""
 
     @intrinsic
-    def run(typingctx, api, ctx, x, w, out, blocks, k, k_block):
-        sig = types.void(*([types.int64] * 8))
+    def run(typingctx, api, ctx, x, w, out, blocks, k, k_block, stride, chunks, rows, n):
+        sig = types.void(*([types.int64] * 12))
 
         def codegen(context, builder, signature, args):
             builder.call(_run_function(builder.module, lanes), list(args))
@@ -416,12 +456,10 @@ def _run_intrinsic(lanes: int):
     return run
 
 
-def _project_function(lanes: int):
-    """The projection for one row (lanes 1: x f32[K], out f32[N]) or rows in lanes (xT f32[K, lanes], out
-    f32[N, lanes]): out = w f32[N, K] times x, each output summed in YNNPACK's order (module docstring). api, ctx:
-    the FFI call frame's (XLA's thread pool takes part), or 0 (this thread alone)."""
-    block, run = _block_intrinsic(lanes), _run_intrinsic(lanes)
-    group = _ROW1_OUTPUTS if lanes == 1 else _OUTPUTS
+def _project_row1():
+    """The projection of one row: out f32[N] = w f32[N, K] times x f32[K], each output summed in YNNPACK's order
+    (module docstring). api, ctx: the FFI call frame's (XLA's thread pool takes part), or 0 (this thread alone)."""
+    block, run = _block_intrinsic(1), _run_intrinsic(1)
 
     @njit
     def project(x, w, out, k_block, api=0, ctx=0):
@@ -429,56 +467,100 @@ def _project_function(lanes: int):
         if k == 0:
             out[:] = 0.0
             return
-        full = n // group
+        full = n // _ROW1_OUTPUTS
         if full:
-            run(api, ctx, x.ctypes.data, w.ctypes.data, out.ctypes.data, full, k, k_block)
-        rest = n - full * group
+            run(api, ctx, x.ctypes.data, w.ctypes.data, out.ctypes.data, full, k, k_block, 1, 1, 1, n)
+        rest = n - full * _ROW1_OUTPUTS
         if rest:  # the last outputs through the same code: their kernel rows copied out, padded with zero rows
-            w_rest = np.zeros((group, k), np.float32)
-            out_rest = np.empty((group,) + out.shape[1:], np.float32)
-            w_rest[:rest] = w[full * group :]
+            w_rest = np.zeros((_ROW1_OUTPUTS, k), np.float32)
+            out_rest = np.empty(_ROW1_OUTPUTS, np.float32)
+            w_rest[:rest] = w[full * _ROW1_OUTPUTS :]
             for k0 in range(0, k, k_block):
-                block(x.ctypes.data, w_rest.ctypes.data, out_rest.ctypes.data, k, k0, min(k, k0 + k_block), k0 == 0)
-            out[full * group :] = out_rest[:rest]
+                block(x.ctypes.data, w_rest.ctypes.data, out_rest.ctypes.data, k, k0, min(k, k0 + k_block), k0 == 0, 1)
+            out[full * _ROW1_OUTPUTS :] = out_rest[:rest]
 
     return project
 
 
-project_row1 = _project_function(1)
-project_rows8 = _project_function(ROW_LANES[0])
+def _project_rows(lanes: int):
+    """The projection of rows row0..row0 + rows - 1 in `chunks` chunks of `lanes` rows: out[row0 + r] = w f32[N, K]
+    times row r, each output summed in YNNPACK's order (module docstring). xT f32[K, stride] holds the rows in
+    columns (row0's in column row0, padding rows past the last); out f32[M, N]. api, ctx: as `_project_row1`."""
+    block, run = _block_intrinsic(lanes), _run_intrinsic(lanes)
+
+    @njit
+    def project(xt, row0, chunks, rows, w, out, k_block, api=0, ctx=0):
+        n, k = w.shape
+        stride = xt.shape[1]
+        if k == 0:
+            out[row0 : row0 + rows] = 0.0
+            return
+        x0 = xt.ctypes.data + row0 * 4
+        full = n // _OUTPUTS
+        if full:
+            run(api, ctx, x0, w.ctypes.data, out.ctypes.data + row0 * n * 4, full, k, k_block, stride, chunks, rows, n)
+        rest = n - full * _OUTPUTS
+        if rest:  # the last outputs through the same code: their kernel rows copied out, padded with zero rows
+            w_rest = np.zeros((_OUTPUTS, k), np.float32)
+            tile = np.empty((_OUTPUTS, lanes), np.float32)
+            w_rest[:rest] = w[full * _OUTPUTS :]
+            for c in range(chunks):
+                for k0 in range(0, k, k_block):
+                    block(x0 + c * lanes * 4, w_rest.ctypes.data, tile.ctypes.data, k, k0, min(k, k0 + k_block),
+                          k0 == 0, stride)  # fmt: skip
+                for r in range(min(lanes, rows - c * lanes)):
+                    for j in range(rest):
+                        out[row0 + c * lanes + r, full * _OUTPUTS + j] = tile[j, r]
+
+    return project
+
+
+project_row1 = _project_row1()
+project_rows8 = _project_rows(ROW_LANES[0])
 # AVX2 hosts take 8 rows at most (project_cpu.max_rows()): the handler's wider branches never run there. Pointed at
 # the 8-lane form, they build nothing more: a new machine's handler build took ~7 s instead of ~9.
 project_rows16, project_rows32 = (
-    (_project_function(ROW_LANES[1]), _project_function(ROW_LANES[2])) if _AVX512 else (project_rows8, project_rows8)
+    (_project_rows(ROW_LANES[1]), _project_rows(ROW_LANES[2])) if _AVX512 else (project_rows8, project_rows8)
 )
 
 
+@njit(inline="always")
+def _rows_in_lanes(xt, row0, chunks, rows, w, out, k_block, lanes, api, ctx):
+    if lanes == 8:
+        project_rows8(xt, row0, chunks, rows, w, out, k_block, api, ctx)
+    elif lanes == 16:
+        project_rows16(xt, row0, chunks, rows, w, out, k_block, api, ctx)
+    else:
+        project_rows32(xt, row0, chunks, rows, w, out, k_block, api, ctx)
+
+
 def _handle(frame_ptr):
-    """Operands: x f32[K] (one row) or xT f32[K, lanes] (rows in the lanes, `ROW_LANES`); the kernel, f32[N, K] or a
-    stack of them f32[L, N, K]; i32[2], which of the stack's kernels (read in place, where a slice would be a copy)
-    and the block of inputs whose chains are summed apart. Result f32[N] or f32[N, lanes]."""
+    """Operands: x f32[K] (one row) or xT f32[K, P] (M rows in columns, padded: see project_cpu.row_layout); the
+    kernel, f32[N, K] or a stack of them f32[L, N, K]; i32[3], which of the stack's kernels (read in place, where a
+    slice would be a copy), the block of inputs whose chains are summed apart, and the rows per chunk (8, 16 or
+    32). Result f32[N] or f32[M, N]: whole chunks of that many rows, then the rest in one chunk of P - whole."""
     frame = carray(frame_ptr, (15,), dtype=np.int64)
     if answer_non_execute(frame):
         return null()
     bx, bw, bl, bo = buffer(frame, 0, False), buffer(frame, 1, False), buffer(frame, 2, False), buffer(frame, 0, True)
     stacked = bw[4] == 3
     n, k = dim(bw, 1 if stacked else 0), dim(bw, 2 if stacked else 1)
-    index = carray(data(bl), (2,), dtype=np.int32)
+    index = carray(data(bl), (3,), dtype=np.int32)
     layer = index[0] if stacked else 0
     k_block = np.int64(max(index[1], 1))
     w = carray(data(bw), (layer + 1, n, k), dtype=np.float32)[layer]
     if bx[4] == 1:  # rank 1: one row
         project_row1(carray(data(bx), (k,), dtype=np.float32), w, carray(data(bo), (n,), dtype=np.float32),
                      k_block, frame[2], frame[3])  # fmt: skip
-    else:
-        lanes = dim(bx, 1)
-        xt, out = carray(data(bx), (k, lanes), dtype=np.float32), carray(data(bo), (n, lanes), dtype=np.float32)
-        if lanes == 8:
-            project_rows8(xt, w, out, k_block, frame[2], frame[3])
-        elif lanes == 16:
-            project_rows16(xt, w, out, k_block, frame[2], frame[3])
-        else:
-            project_rows32(xt, w, out, k_block, frame[2], frame[3])
+        return null()
+    rows, padded, lanes = dim(bo, 0), dim(bx, 1), np.int64(index[2])
+    xt, out = carray(data(bx), (k, padded), dtype=np.float32), carray(data(bo), (rows, n), dtype=np.float32)
+    whole = rows // lanes
+    if whole:
+        _rows_in_lanes(xt, np.int64(0), whole, whole * lanes, w, out, k_block, lanes, frame[2], frame[3])
+    if rows > whole * lanes:
+        row0 = whole * lanes
+        _rows_in_lanes(xt, row0, np.int64(1), rows - row0, w, out, k_block, padded - row0, frame[2], frame[3])
     return null()
 
 

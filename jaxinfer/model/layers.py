@@ -142,9 +142,9 @@ WEIGHT_LEFT_ROWS_MULTIPLE = 16
 # layers.PROJECTION_KERNEL_ROWS=0`).
 PROJECTION_KERNEL_ROWS = 32
 # Where the kernel takes 32 rows (AVX-512), 33 up to this many rows with a result of at most
-# WEIGHT_LEFT_MAX_OUT_BYTES go through it 32 rows at a time. On znver4 a decode step of 40-128 rows ran 1.08-1.18x
-# faster that way than with YNNPACK's x @ W^T; 256 and 512 rows ran 0.8-0.9x (the library at its peak there), and so did
-# the LM head's 25 MB at 128 rows (benchmarks/README.md).
+# WEIGHT_LEFT_MAX_OUT_BYTES go through it in chunks of 32 rows (one call). On znver4 a decode step of 40-128 rows ran
+# 1.08-1.18x faster that way than with YNNPACK's x @ W^T; 256 and 512 rows ran 0.8-0.9x (the library at its peak
+# there), and so did the LM head's 25 MB at 128 rows (benchmarks/README.md).
 PROJECTION_CHUNK_ROWS = 128
 
 _SHARDED = contextvars.ContextVar("jaxinfer_sharded_step", default=False)
@@ -172,8 +172,8 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     - 1-8 rows of float32 (1-32 on AVX-512): `kernels_pallas.project_cpu`, a kernel that sums in that order, at
       the pace the weights stream from memory (XLA's one-row forms, a fused loop and Eigen's GEMV, sum in other
       orders; YNNPACK itself runs one row 2x slower than them; on znver4 a decode step of 12-32 rows took 1.3-1.8x
-      as long with the library's dots as with the kernel); on AVX-512 also 33-128 rows with a small result, 32
-      rows at a time (`PROJECTION_CHUNK_ROWS`);
+      as long with the library's dots as with the kernel); on AVX-512 also 33-128 rows with a small result, in
+      chunks of 32 rows in one call (`PROJECTION_CHUNK_ROWS`);
     - one row the kernel does not take (another dtype, an output count not a multiple of 16, no numba, or a
       sharded step), as before the kernel, not batch-invariant: the vector times W's transpose, which XLA:CPU fuses
       with the vector's producers (the norm) and with the slice of a stacked kernel into one loop over W's rows,
@@ -205,10 +205,8 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     kernel_rows = wide > 0 and rows <= wide
     chunks = (wide == project_cpu.ROW_LANES[-1] and rows <= PROJECTION_CHUNK_ROWS
               and out_bytes <= WEIGHT_LEFT_MAX_OUT_BYTES)  # fmt: skip
-    if (kernel_rows or chunks) and project_cpu.supported(x2[:wide], kernel):
-        layer = stack.index if stack is not None else None
-        parts = [project_cpu.project_rows(x2[i : i + wide], kernel, layer) for i in range(0, rows, wide)]
-        y = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    if (kernel_rows or chunks) and project_cpu.supported(x2, kernel):
+        y = project_cpu.project_rows(x2, kernel, stack.index if stack is not None else None)
         return y.astype(out_dtype or x.dtype).reshape(*lead, *shape[:num_out])
     # The kernel's rows where the library sums in an order the kernel lacks (project_cpu.library_k_block): the library's
     # own x @ W^T, one row padded to two, sums every row alike.

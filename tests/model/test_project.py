@@ -99,7 +99,7 @@ def test_project_picks_the_measured_form(rows, out, in_shape, in_branch):
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(out_shape, in_shape, stacked):
     """Batch invariance: every row's result is bit-identical whatever the row count of the product, from one row
     (the kernel) through the weight-left form's 9-128 (the odd ones padded to a multiple of 16), or the kernel's
-    32-row chunks on AVX-512, to x @ W^T."""
+    chunks of 32 rows on AVX-512, to x @ W^T."""
     rng = np.random.default_rng(len(in_shape) + out_shape[0])
     x = jnp.asarray(rng.standard_normal((200, *in_shape), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal((3, *out_shape, *in_shape), dtype=np.float32))
