@@ -146,6 +146,9 @@ PROJECTION_KERNEL_ROWS = 32
 # 1.08-1.18x faster that way than with YNNPACK's x @ W^T; 256 and 512 rows ran 0.8-0.9x (the library at its peak
 # there), and so did the LM head's 25 MB at 128 rows (benchmarks/README.md).
 PROJECTION_CHUNK_ROWS = 128
+# The same where the kernel takes 8 rows (AVX2): 8 is none. 9-128 rows in chunks of 8 against the weight-left form was
+# not measured on an AVX2 host (`ab_step --variants default,layers.NARROW_CHUNK_ROWS=128` there).
+NARROW_CHUNK_ROWS = 8
 
 _SHARDED = contextvars.ContextVar("jaxinfer_sharded_step", default=False)
 
@@ -203,8 +206,8 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
     invariant_n = n % WEIGHT_LEFT_ROWS_MULTIPLE == 0
     wide = min(PROJECTION_KERNEL_ROWS, project_cpu.max_rows()) if cpu and invariant_n else 0  # the kernel's rows
     kernel_rows = wide > 0 and rows <= wide
-    chunks = (wide == project_cpu.ROW_LANES[-1] and rows <= PROJECTION_CHUNK_ROWS
-              and out_bytes <= WEIGHT_LEFT_MAX_OUT_BYTES)  # fmt: skip
+    chunk_rows = PROJECTION_CHUNK_ROWS if wide == project_cpu.ROW_LANES[-1] else NARROW_CHUNK_ROWS
+    chunks = wide > 0 and rows <= chunk_rows and out_bytes <= WEIGHT_LEFT_MAX_OUT_BYTES
     if (kernel_rows or chunks) and project_cpu.supported(x2, kernel):
         y = project_cpu.project_rows(x2, kernel, stack.index if stack is not None else None)
         return y.astype(out_dtype or x.dtype).reshape(*lead, *shape[:num_out])

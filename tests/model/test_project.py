@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.model import layers
 from jaxinfer.model.layers import (
     WEIGHT_LEFT_MAX_OUT_BYTES,
     WEIGHT_LEFT_MAX_ROWS,
@@ -110,4 +111,23 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(out_shape, in_shape, st
         fn = jax.jit(lambda x, w: project(x, w[1], n_in))
     alone = np.concatenate([np.asarray(fn(x[i : i + 1], w)) for i in range(x.shape[0])])
     for rows in (2, 7, 8, 9, 16, 24, 33, 40, 64, 65, 128, 129, 200):
+        np.testing.assert_array_equal(np.asarray(fn(x[:rows], w)), alone[:rows], err_msg=f"{rows} rows")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's forms")
+@pytest.mark.parametrize("out_shape,in_shape", [((64,), (4100,)), ((192,), (576,))])
+def test_narrow_chunks_keep_the_kernel_and_every_rows_bits(monkeypatch, out_shape, in_shape):
+    """Where the kernel takes 8 rows (AVX2; forced here with PROJECTION_KERNEL_ROWS) and NARROW_CHUNK_ROWS lets it
+    take more: 9-128 rows go through the kernel, each row's bits as alone; past that, the forms as before."""
+    if project_cpu.library_k_block(out_shape[0]) is None:
+        pytest.skip("this machine's library sums these outputs in an order the kernel lacks")
+    monkeypatch.setattr(layers, "PROJECTION_KERNEL_ROWS", 8)
+    monkeypatch.setattr(layers, "NARROW_CHUNK_ROWS", 128)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((140, *in_shape), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((*out_shape, *in_shape), dtype=np.float32))
+    fn = jax.jit(lambda x, w: project(x, w, 1))
+    assert _form(fn.lower(x[:64], w).as_text()) == "kernel"
+    alone = np.concatenate([np.asarray(fn(x[i : i + 1], w)) for i in range(x.shape[0])])
+    for rows in (9, 16, 33, 64, 100, 128, 129, 140):
         np.testing.assert_array_equal(np.asarray(fn(x[:rows], w)), alone[:rows], err_msg=f"{rows} rows")
