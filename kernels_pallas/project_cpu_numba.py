@@ -270,7 +270,7 @@ def _block_intrinsic(lanes: int):
 # block of inputs whose chains are summed apart; then, for rows in lanes, xT's stride (floats from one input's rows
 # to the next's), the chunks of `lanes` rows, the rows, and N (out's row length).
 _NEXT, _DONE, _REFS, _CLAIMS, _XT, _W, _OUT, _K, _BLOCKS, _KB, _STRIDE, _CHUNKS, _ROWS, _N = range(14)
-_WORDS = 14
+_WORDS = _N + 1
 # Blocks of outputs per claim (32 outputs: 74 KB of a 576-wide kernel): small enough that a projection of a few
 # hundred outputs still spreads over two threads.
 _CLAIM = 4

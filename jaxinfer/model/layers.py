@@ -176,7 +176,7 @@ def project(x: jax.Array, w: jax.Array | StackedSelect, num_in: int, out_dtype=N
       the pace the weights stream from memory (XLA's one-row forms, a fused loop and Eigen's GEMV, sum in other
       orders; YNNPACK itself runs one row 2x slower than them; on znver4 a decode step of 12-32 rows took 1.3-1.8x
       as long with the library's dots as with the kernel); on AVX-512 also 33-128 rows with a small result, in
-      chunks of 32 rows in one call (`PROJECTION_CHUNK_ROWS`);
+      chunks of 32 rows in one call (`PROJECTION_CHUNK_ROWS`; AVX2's 8-row chunks, `NARROW_CHUNK_ROWS`, are off);
     - one row the kernel does not take (another dtype, an output count not a multiple of 16, no numba, or a
       sharded step), as before the kernel, not batch-invariant: the vector times W's transpose, which XLA:CPU fuses
       with the vector's producers (the norm) and with the slice of a stacked kernel into one loop over W's rows,

@@ -118,7 +118,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(out_shape, in_shape, st
 @pytest.mark.parametrize("out_shape,in_shape", [((64,), (4100,)), ((192,), (576,))])
 def test_narrow_chunks_keep_the_kernel_and_every_rows_bits(monkeypatch, out_shape, in_shape):
     """Where the kernel takes 8 rows (AVX2; forced here with PROJECTION_KERNEL_ROWS) and NARROW_CHUNK_ROWS lets it
-    take more: 9-128 rows go through the kernel, each row's bits as alone; past that, the forms as before."""
+    take more: 9-128 rows go through the kernel, and every row's bits are its bits alone, past 128 rows too."""
     if project_cpu.library_k_block(out_shape[0]) is None:
         pytest.skip("this machine's library sums these outputs in an order the kernel lacks")
     monkeypatch.setattr(layers, "PROJECTION_KERNEL_ROWS", 8)
