@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -430,6 +431,35 @@ class Tokenizer:
         new.eos_token_ids = _dedupe([*self.eos_token_ids, *new._template_end_of_turn_ids()])
         return new
 
+    def save(self, directory: str | Path) -> Path:
+        """Writes this tokenizer as a Hugging Face tokenizer directory that `load_tokenizer` reads back as the same
+        tokenizer: tokenizer.json (the pipeline), generation_config.json (the special ids, which decide BOS, EOS and
+        the stop ids), tokenizer_config.json and chat_template.jinja. Rebuilding a GGUF's vocabulary takes seconds
+        for a large one (Gemma 3's 262k sentencepiece tokens: ~3 s); reading this back takes about a third of that.
+
+        Each file is replaced whole, tokenizer.json last: a directory that holds it holds the rest. A tokenizer
+        wrapping a sentencepiece model has no tokenizer.json to write: its tokenizer.model is the file to keep."""
+        if not isinstance(self._backend, _HFBackend):
+            raise TypeError("save: a sentencepiece-backed tokenizer is its tokenizer.model file; copy that instead")
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        ids = {
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+            "pad_token_id": self.pad_token_id,
+            "unk_token_id": self.unk_token_id,
+        }
+        _write_whole(out / "generation_config.json", json.dumps(ids, indent=1))
+        config = {"clean_up_tokenization_spaces": self._backend.clean_up_spaces}
+        _write_whole(out / "tokenizer_config.json", json.dumps(config, indent=1))
+        template = out / "chat_template.jinja"
+        if self.chat_template is not None:
+            _write_whole(template, self.chat_template)
+        else:
+            template.unlink(missing_ok=True)
+        _write_whole(out / "tokenizer.json", self._backend.tk.to_str())
+        return out
+
     def _template_end_of_turn_ids(self) -> list[int]:
         if not self.chat_template:
             return []
@@ -464,6 +494,14 @@ def _cut_after_final_message(text: str, messages: list[dict]) -> str:
 
 def _dedupe(ids: Iterable[int | None]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Writes `text` beside `path` and renames it into place, so a reader finds the old file or the new one whole
+    (two processes filling one cache entry at once included)."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    part.write_text(text, encoding="utf-8")
+    os.replace(part, path)
 
 
 # ---- chat templates ----------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import random
@@ -528,25 +529,54 @@ def test_not_a_tokenizer_file(tmp_path: Path) -> None:
         load_tokenizer(path)
 
 
-@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
-def test_tokenizer_gguf_of_a_model_gguf_is_the_same_tokenizer(which, tmp_path):
-    """What `jaxinfer convert` writes beside a GGUF's checkpoint: its tokenizer metadata alone, a few MB."""
-    from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
-    from jaxinfer.weights.convert import write_tokenizer_gguf
+@pytest.fixture(scope="module")
+def saved(pair: tuple[Tokenizer, Any], tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A GGUF's tokenizer written by `Tokenizer.save` and read back from that directory alone."""
+    ours, _ = pair
+    return load_tokenizer(ours.save(tmp_path_factory.mktemp("saved")))
 
-    src = smollm2_gguf() if which == "smollm2" else gemma3_270m_gguf()
-    write_tokenizer_gguf(src, tmp_path / "tokenizer.gguf")
-    a, b = load_tokenizer(src), load_tokenizer(tmp_path)
-    assert (tmp_path / "tokenizer.gguf").stat().st_size < src.stat().st_size / 20
-    for text in ["Hello 🌍 world", "  leading spaces\n\ttabs", "<|im_start|>user\nhé<|im_end|>", "<start_of_turn>x"]:
-        assert a.encode(text) == b.encode(text) and a.decode(a.encode(text)) == b.decode(b.encode(text))
-    assert (a.eos_token_ids, a.bos_token_id, a.chat_template, a.add_bos_token, a.vocab_size) == (
-        b.eos_token_ids,
-        b.bos_token_id,
-        b.chat_template,
-        b.add_bos_token,
-        b.vocab_size,
-    )
+
+@pytest.mark.parametrize("text", TEXTS.values(), ids=TEXTS.keys())
+def test_a_saved_tokenizer_encodes_and_decodes_as_transformers(saved: Tokenizer, pair, text: str) -> None:
+    """What a start reads instead of rebuilding a GGUF's vocabulary (the conversion cache, `jaxinfer convert`)."""
+    _, ref = pair
+    ids = ref(text).input_ids
+    assert saved.encode(text) == ids
+    assert saved.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False).input_ids
+    for skip in (True, False):
+        assert saved.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_saved_tokenizer_keeps_the_special_ids_template_and_bytes(saved: Tokenizer, pair) -> None:
+    ours, ref = pair
+    assert (saved.bos_token_id, saved.eos_token_ids[0], saved.pad_token_id, saved.unk_token_id) == (
+        ref.bos_token_id, ref.eos_token_id, ref.pad_token_id, ref.unk_token_id,
+    )  # fmt: skip
+    assert (saved.add_bos_token, saved.vocab_size) == (ref.add_bos_token, len(ref))
+    assert (saved.eos_token_ids, saved.chat_template, saved.special_token_ids) == (
+        ours.eos_token_ids, ours.chat_template, ours.special_token_ids,
+    )  # fmt: skip
+    if saved.chat_template is not None:
+        expected = ref.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+        assert saved.apply_chat_template(CONVERSATION) == expected
+    step = max(1, saved.vocab_size // 4000)
+    assert all(saved.token_bytes(i) == ours.token_bytes(i) for i in range(0, saved.vocab_size, step))
+    assert all(saved.is_byte_piece(i) == ours.is_byte_piece(i) for i in range(0, saved.vocab_size, step))
+
+
+def test_saving_again_replaces_the_template_and_a_sentencepiece_model_is_refused(smollm2, sp_models, tmp_path):
+    ours, _ = smollm2
+    ours.save(tmp_path)
+    base = copy.copy(ours)
+    base.chat_template = None  # a model without a template, saved over one with
+    base.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert again.chat_template is None and not (tmp_path / "chat_template.jinja").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    with pytest.raises(TypeError, match="tokenizer.model"):
+        load_tokenizer(sp_models["bpe"]).save(tmp_path / "sp")
 
 
 GEMMA_STYLE = """{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}

@@ -106,8 +106,8 @@ def load_weights(
         check_tensor_parallel(meta, mesh.shape[MODEL])
     if kind == "checkpoint":
         cfg, params, source = _restore(path, dtype, mesh)
-        # `jaxinfer convert` copies the source's tokenizer (an HF directory's files, a GGUF's as tokenizer.gguf): the
-        # checkpoint then stands on its own.
+        # `jaxinfer convert` copies the source's tokenizer (an HF directory's files; a GGUF's as `Tokenizer.save` writes
+        # it, or as tokenizer.gguf before that): the checkpoint then stands on its own.
         own = any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer.gguf"))
         return cfg, params, path if own else Path(source.get("path", path))
     if kind == "hf":
@@ -221,7 +221,41 @@ def _restore(path: Path, dtype: str, mesh: Mesh | None) -> tuple[ModelConfig, Pa
 def load_model(model: str | Path, dtype: str = "auto", with_tokenizer: bool = True, **kwargs: Any) -> LoadedModel:
     """Config, params and tokenizer for a model name (preset), GGUF file, HF directory or checkpoint.
     `with_tokenizer=False`: no tokenizer (None), for a caller that brings its own (the model may have none)."""
+    cfg, params, path = load_weights(model, dtype, **kwargs)
+    cache_dir = (kwargs.get("cache_dir") or default_cache_dir()) if kwargs.get("use_cache", True) else None
+    tokenizer = _load_tokenizer(path, cache_dir) if with_tokenizer else None
+    return LoadedModel(cfg, params, tokenizer, path)
+
+
+def _load_tokenizer(path: Path, cache_dir: Path | None) -> Any:
+    """The tokenizer of the weights at `path`. A GGUF's is rebuilt from its vocabulary, which takes seconds for a large
+    one (Gemma 3: ~3 s of a ~13 s warm start), so the first load keeps it in `cache_dir` as a Hugging Face tokenizer
+    directory (`Tokenizer.save`), read back in about a third of that. None: no cache (`use_cache=False`)."""
     from jaxinfer.tokenizer import load_tokenizer
 
-    cfg, params, path = load_weights(model, dtype, **kwargs)
-    return LoadedModel(cfg, params, load_tokenizer(path) if with_tokenizer else None, path)
+    if path.suffix != ".gguf" or cache_dir is None:
+        return load_tokenizer(path)
+    saved = cache_dir / _tokenizer_cache_key(path)
+    if (saved / "tokenizer.json").is_file():
+        try:
+            return load_tokenizer(saved)
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception for a damaged file): rebuilt below
+            log.warning("ignoring damaged tokenizer cache %s: %s", saved, str(e).strip().split("\n", 1)[0][:500])
+            shutil.rmtree(saved, ignore_errors=True)
+    tokenizer = load_tokenizer(path)
+    try:
+        tokenizer.save(saved)
+    except OSError as e:
+        log.warning("could not write tokenizer cache %s: %s", saved, e)
+    return tokenizer
+
+
+def _tokenizer_cache_key(path: Path) -> str:
+    """The GGUF file (path, size, mtime), and the code that rebuilds its tokenizer: a change to jaxinfer.tokenizer or
+    to the tokenizers library never reads a tokenizer that the previous code built."""
+    import tokenizers
+
+    import jaxinfer.tokenizer
+
+    code = hashlib.sha1(Path(jaxinfer.tokenizer.__file__).read_bytes()).hexdigest()[:12]
+    return _cache_key(path, f"tokenizer-{code}-tk{tokenizers.__version__}")

@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 
 from jaxinfer.model_files import resolve_model_path
+from jaxinfer.tokenizer import load_tokenizer
 from jaxinfer.weights import load_weights
 from jaxinfer.weights.checkpoint import CheckpointError, is_checkpoint, save_checkpoint
 
 # Files of an HF directory (or of a checkpoint converted before) that the tokenizer loader reads; copied so the
 # checkpoint stands on its own.
 _TOKENIZER_FILES = (
-    "tokenizer.gguf",  # TOKENIZER_GGUF: a checkpoint converted from a GGUF
+    "tokenizer.gguf",  # a checkpoint converted from a GGUF before tokenizers were saved whole
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -41,29 +42,9 @@ def convert(src: str, dst: str | Path, dtype: str = "float32") -> Path:
         for name in _TOKENIZER_FILES:
             if (path / name).exists():
                 shutil.copy(path / name, dst / name)
-    else:
-        write_tokenizer_gguf(path, dst / TOKENIZER_GGUF)
+    else:  # the rebuilt tokenizer itself, which a start reads back without rebuilding the GGUF's vocabulary
+        load_tokenizer(path).save(dst)
     return dst
-
-
-TOKENIZER_GGUF = "tokenizer.gguf"
-
-
-def write_tokenizer_gguf(src: Path, out: Path) -> None:
-    """The tokenizer of GGUF file `src` as a GGUF of its own: its tokenizer metadata (and architecture), no tensors.
-    A few MB, where the source is hundreds: a checkpoint then stands on its own when the source moves."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def main(argv: list[str] | None = None) -> int:

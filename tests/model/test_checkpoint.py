@@ -140,7 +140,8 @@ def test_a_checkpoint_converted_from_a_checkpoint_keeps_the_tokenizer(tmp_path):
     from tests.tiny_model import write_tiny_model
 
     write_tiny_model(tmp_path / "tiny")  # its tokenizer is its source GGUF's
-    convert(str(tmp_path / "tiny"), tmp_path / "a")  # writes tokenizer.gguf beside the weights
+    convert(str(tmp_path / "tiny"), tmp_path / "a")  # writes the tokenizer (Tokenizer.save) beside the weights
+    assert (tmp_path / "a" / "tokenizer.json").is_file() and not (tmp_path / "a" / "tokenizer.gguf").exists()
     convert(str(tmp_path / "a"), tmp_path / "b")
     assert read_meta(tmp_path / "b")["source"]["kind"] == "checkpoint"
     (tmp_path / "a").rename(tmp_path / "gone")
@@ -257,6 +258,67 @@ def test_damaged_conversion_cache_is_rebuilt_once(smol_converted, tmp_path, monk
     assert len(restores) == 2
     (warning,) = [r.getMessage() for r in caplog.records if "ignoring damaged conversion cache" in r.getMessage()]
     assert warning.endswith("is damaged") and "spec" not in warning
+
+
+def test_a_gguf_tokenizer_is_kept_in_the_cache_and_rebuilt_when_damaged(tmp_path, monkeypatch, caplog):
+    """The first load rebuilds a GGUF's tokenizer from its vocabulary and keeps it (`Tokenizer.save`) in the cache;
+    the next reads it back without the GGUF. A damaged entry is rebuilt and rewritten; `use_cache=False` neither
+    reads nor writes one."""
+    from jaxinfer.tokenizer import Tokenizer, load_tokenizer
+    from jaxinfer.weights import load_model
+    from tests.tiny_model import write_tiny_model
+
+    write_tiny_model(tmp_path / "tiny")  # a checkpoint whose tokenizer is its source GGUF's
+    built = []
+    real = Tokenizer.from_gguf.__func__
+    monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(lambda cls, path: built.append(path) or real(cls, path)))
+    cache = tmp_path / "cache"
+    texts = ["Hello world", "<|im_start|>user\nhé 🌍<|im_end|>\n"]
+    first = load_model(tmp_path / "tiny", cache_dir=cache).tokenizer
+    (entry,) = cache.iterdir()
+    assert len(built) == 1 and (entry / "tokenizer.json").is_file()
+    second = load_model(tmp_path / "tiny", cache_dir=cache).tokenizer
+    assert len(built) == 1
+    assert [second.encode(t) for t in texts] == [first.encode(t) for t in texts]
+    assert (second.eos_token_ids, second.bos_token_id, second.chat_template) == (
+        first.eos_token_ids, first.bos_token_id, first.chat_template,
+    )  # fmt: skip
+
+    (entry / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    caplog.clear()
+    third = load_model(tmp_path / "tiny", cache_dir=cache).tokenizer
+    assert len(built) == 2 and third.encode(texts[1]) == first.encode(texts[1])
+    assert any("ignoring damaged tokenizer cache" in r.getMessage() for r in caplog.records)
+    assert load_tokenizer(entry).encode(texts[1]) == first.encode(texts[1])  # written whole again
+
+    load_model(tmp_path / "tiny", use_cache=False, cache_dir=tmp_path / "unused")
+    assert len(built) == 3 and not (tmp_path / "unused").exists()
+
+
+def test_the_tokenizer_cache_key_follows_the_file_and_the_code_that_rebuilds_it(tmp_path, monkeypatch):
+    """A tokenizer kept by an older jaxinfer (another jaxinfer.tokenizer) or tokenizers library is never read."""
+    import os
+    from pathlib import Path
+
+    import tokenizers
+
+    import jaxinfer.tokenizer
+    from jaxinfer.weights import _tokenizer_cache_key
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    key = _tokenizer_cache_key(src)
+    assert _tokenizer_cache_key(src) == key
+    monkeypatch.setattr(tokenizers, "__version__", "0.0.1")
+    assert _tokenizer_cache_key(src) != key
+    monkeypatch.undo()
+    edited = tmp_path / "tokenizer.py"
+    edited.write_text(Path(jaxinfer.tokenizer.__file__).read_text() + "\n# a fix\n")
+    monkeypatch.setattr(jaxinfer.tokenizer, "__file__", str(edited))
+    assert _tokenizer_cache_key(src) != key
+    monkeypatch.undo()
+    os.utime(src, ns=(10**9, 10**9))  # the file replaced
+    assert _tokenizer_cache_key(src) != key
 
 
 def test_unknown_architecture_hf():
