@@ -9,8 +9,10 @@ how params are held), the static arguments (model config, layout, flags, kernel 
 (the cache config) and a hash of this package's own source files (a code change invalidates every entry). A warm
 start deserializes and loads it.
 
-Files live in `<jax compilation cache dir>/jaxinfer-exec/<version>/`, so `--compilation-cache-dir` moves them and
-`--no-compilation-cache` turns them off; `JAXINFER_EXEC_CACHE=0` turns off only this layer. Writes are atomic
+Files live in `<cache dir>/jaxinfer-exec/<version>/`, jax's own persistent cache in its `jax/` folder
+(`jax_cache_dir`), so `--compilation-cache-dir` moves them and `--no-compilation-cache` turns both off;
+`JAXINFER_EXEC_CACHE=0` turns off only this layer. (A jax cache folder the caller set itself holds
+`jaxinfer-exec/<version>/`.) Writes are atomic
 (temporary file + rename). An unreadable, corrupt or mismatched entry logs one warning and compiles normally.
 `<version>` names the jax/jaxlib versions and this package's source: no entry of another version can ever load,
 so a process that stores entries deletes the folders of all versions but the most recently written other one
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 FORMAT = 3  # bump when the file layout below changes (2: format 1 entries may hold incomplete executables;
 # 3: entries name the devices their executable runs on)
 SUBDIR = "jaxinfer-exec"
+JAX_SUBDIR = "jax"  # jax's persistent cache, inside a version folder (jax_cache_dir)
 VERSION_CHARS = 16
 KEEP_OTHER_VERSIONS = 1  # besides this version's folder: a downgrade or a switched checkout still starts warm
 _PACKAGES = ("jaxinfer", "kernels_pallas")  # whose source is part of every key
@@ -102,6 +105,27 @@ def version() -> str:
     """The folder of this jax and this source: entries of any other version never load (their keys differ)."""
     parts = (FORMAT, jax.__version__, jaxlib.__version__, source_hash())
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:VERSION_CHARS]
+
+
+def jax_cache_dir(base: str | os.PathLike) -> Path:
+    """Where `runner.enable_compilation_cache` keeps jax's persistent cache under the cache folder `base`: inside this
+    version's folder. A new version (an upgrade, an edit) then starts with jax's cache empty too, so XLA compiles
+    each step afresh and the step is stored here. Were jax's cache shared between versions, it would hand an unchanged
+    step out from an older version's entry, which is never stored (see the module's docstring), and every later
+    start would trace, lower and read it again. Pruning a version's folder prunes its jax entries with it."""
+    return Path(base) / SUBDIR / version() / JAX_SUBDIR
+
+
+def remove_jax_entries(folder: Path) -> int:
+    """Deletes the files jax's persistent cache writes (`<module>-<key>-cache` and its `-atime`) directly in `folder`,
+    nothing else; returns how many. jax's entries of every version lived there before `jax_cache_dir`, and no
+    version reads them any more."""
+    doomed = [p for p in folder.iterdir() if p.is_file() and p.name.endswith(("-cache", "-atime"))]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    if doomed:
+        log.info("compilation cache: deleted %d entries of jax's cache from before version folders", len(doomed))
+    return len(doomed)
 
 
 def target_fingerprint(devices: list) -> int | None:
@@ -178,7 +202,10 @@ class ExecutableCache:
         base = jax.config.jax_compilation_cache_dir
         if not base or os.environ.get("JAXINFER_EXEC_CACHE", "1") == "0" or jax.process_count() > 1:
             return None
-        return cls(Path(base) / SUBDIR / version())
+        jax_dir = Path(base)
+        if jax_dir.name == JAX_SUBDIR and jax_dir.parent.name == version() and jax_dir.parent.parent.name == SUBDIR:
+            return cls(jax_dir.parent)  # enable_compilation_cache's layout: jax's cache inside this version's folder
+        return cls(jax_dir / SUBDIR / version())  # a jax cache folder set by the caller
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.exec"

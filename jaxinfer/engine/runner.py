@@ -31,7 +31,7 @@ from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
 from jaxinfer.device import attention_query_dtype
 from jaxinfer.engine.config import CacheConfig
-from jaxinfer.engine.exec_cache import ExecutableCache
+from jaxinfer.engine.exec_cache import ExecutableCache, jax_cache_dir, remove_jax_entries
 from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
@@ -83,10 +83,16 @@ def compile_count() -> int:
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
-    """Turns on jax's persistent compilation cache so a restart reuses compiled steps."""
-    path = Path(path or os.environ.get("JAXINFER_COMPILE_CACHE", Path.home() / ".cache" / "jaxinfer" / "xla"))
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    """Turns on jax's persistent compilation cache, and with it the executable cache, under the folder `path`, so a
+    restart reuses compiled steps. jax's entries live in the executable cache's version folder
+    (`jax_cache_dir`): after an upgrade the steps compile once and are stored again."""
+    default = Path.home() / ".cache" / "jaxinfer" / "xla"
+    path = Path(path or os.environ.get("JAXINFER_COMPILE_CACHE", default))
+    jax_dir = jax_cache_dir(path)
+    jax_dir.mkdir(parents=True, exist_ok=True)
+    if path == default:  # jaxinfer's own folder: jax's entries of the layout before version folders are dead
+        remove_jax_entries(path)
+    jax.config.update("jax_compilation_cache_dir", str(jax_dir))
     # NOTE: on CPU nothing is written unless the threshold is 0 (compiles there are fast but still add up).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return path

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
+from jaxinfer.engine import exec_cache
 from jaxinfer.engine.runner import compile_count, enable_compilation_cache
 
 
 def main(cache_dir: str, norm_eps: float, defer: bool) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if os.environ.get("EXEC_CACHE_CHILD_SOURCE"):  # another jaxinfer's source, whose steps are the same programs
+        exec_cache.source_hash = lambda: os.environ["EXEC_CACHE_CHILD_SOURCE"]
     enable_compilation_cache(cache_dir)
     from jaxinfer.config import ModelConfig
     from jaxinfer.engine.config import CacheConfig

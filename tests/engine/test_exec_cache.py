@@ -21,8 +21,14 @@ from jaxinfer.engine.exec_cache import ExecutableCache, entry_key
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _child(cache_dir: Path, norm_eps: float = 1e-6, defer: bool = False, devices: int = 1) -> tuple[dict, str]:
+def _child(
+    cache_dir: Path, norm_eps: float = 1e-6, defer: bool = False, devices: int = 1, source: str | None = None
+) -> tuple[dict, str]:
+    """`source`: the child's source hash instead of this checkout's (another version of jaxinfer)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("EXEC_CACHE_CHILD_SOURCE", None)
+    if source is not None:
+        env["EXEC_CACHE_CHILD_SOURCE"] = source
     if devices > 1:  # the engine runs on one of them
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     env.pop("JAXINFER_EXEC_CACHE", None)
@@ -175,23 +181,84 @@ def test_mismatched_entry_is_refused(tmp_path, caplog):
 
 
 def test_steps_read_from_jax_cache_are_not_stored(cold, tmp_path):
-    """The exec entries gone but jax's cache warm (an upgrade changed the source hash): jax reads each step back
-    from its cache, and such an executable serializes incompletely on XLA:CPU (its copy failed at the first run with
-    "Function ... not found"). It is used but not stored, so the next start reads jax's cache again instead of
-    crashing, with the same tokens. Runs on the cold dir itself (jax's keys depend on the cache's path), with its
-    exec entries moved aside and put back."""
+    """The exec entries gone but jax's cache warm (deleted by hand, or filled with JAXINFER_EXEC_CACHE=0): jax reads
+    each step back from its cache, and such an executable serializes incompletely on XLA:CPU (its copy failed at the
+    first run with "Function ... not found"). It is used but not stored, so the next start reads jax's cache again
+    instead of crashing, with the same tokens. Runs on the cold dir itself, its exec entries moved aside and back."""
     cache_dir, first = cold
-    entries, aside = cache_dir / exec_cache.SUBDIR, tmp_path / "aside"
-    entries.rename(aside)
+    entries, aside = _entries(cache_dir), tmp_path / "aside"
+    aside.mkdir()
+    for f in entries.glob("*.exec"):
+        f.rename(aside / f.name)
     try:
+        assert (entries / exec_cache.JAX_SUBDIR).is_dir()
         second, _ = _child(cache_dir)
         assert second["loaded"] == 0 and second["not_stored"] == second["compiled"] == first["compiled"], second
-        assert not list(entries.rglob("*.exec"))
+        assert not list(entries.glob("*.exec"))
         third, _ = _child(cache_dir)
         assert third["tokens"] == second["tokens"] == first["tokens"]
     finally:
-        shutil.rmtree(entries, ignore_errors=True)
-        aside.rename(entries)
+        for f in aside.glob("*.exec"):
+            f.rename(entries / f.name)
+
+
+def test_a_new_version_compiles_its_unchanged_steps_afresh_and_stores_them(cold, tmp_path):
+    """An upgrade that leaves the steps' programs as they were: jax's cache of the old version held them, handed
+    them out, and they were never stored, so every later start traced, lowered and read them again. Each version
+    keeps jax's cache in its own folder: the new version's first start compiles and stores every step, its second
+    loads them all; the old version's folder is kept (the latest other version) until a third one comes."""
+    cache_dir, first = cold
+    shutil.copytree(cache_dir, tmp_path / "xla")
+    upgraded, _ = _child(tmp_path / "xla", source="upgraded")
+    assert upgraded["loaded"] == 0 and upgraded["not_stored"] == 0 and upgraded["compiled"] == first["compiled"]
+    warm, _ = _child(tmp_path / "xla", source="upgraded")
+    assert warm["loaded"] == first["compiled"] and warm["compiled"] == 0 and warm["step_compiles"] == 0
+    assert warm["tokens"] == upgraded["tokens"] == first["tokens"]
+    versions = sorted(p.name for p in (tmp_path / "xla" / exec_cache.SUBDIR).iterdir())
+    assert exec_cache.version() in versions and len(versions) == 2
+    _child(tmp_path / "xla", source="upgraded again")
+    versions_after = sorted(p.name for p in (tmp_path / "xla" / exec_cache.SUBDIR).iterdir())
+    assert exec_cache.version() not in versions_after and len(versions_after) == 2  # the oldest, jax's cache with it
+
+
+def test_jax_entries_of_the_layout_before_version_folders_go_from_the_default_folder_only(tmp_path, monkeypatch):
+    from jaxinfer.engine.runner import enable_compilation_cache
+
+    def fill(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("jit_step-00ff-cache", "jit_step-00ff-atime", "notes.txt", "x-cache.json"):
+            (folder / name).write_text("x")
+
+    default, mine = tmp_path / "home" / ".cache" / "jaxinfer" / "xla", tmp_path / "mine"
+    fill(default)
+    fill(mine)
+    monkeypatch.setattr(Path, "home", lambda: tmp_path / "home")
+    monkeypatch.delenv("JAXINFER_COMPILE_CACHE", raising=False)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        enable_compilation_cache(mine)  # a folder the caller named may be shared with other jax programs: kept
+        assert sorted(p.name for p in mine.iterdir() if p.is_file()) == sorted(
+            ["jit_step-00ff-cache", "jit_step-00ff-atime", "notes.txt", "x-cache.json"]
+        )
+        enable_compilation_cache()
+        assert sorted(p.name for p in default.iterdir()) == ["jaxinfer-exec", "notes.txt", "x-cache.json"]
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_jax_cache_lives_in_the_version_folder(tmp_path, monkeypatch):
+    """enable_compilation_cache's layout, and the executable cache found from jax's setting either way."""
+    from jaxinfer.engine.runner import enable_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        enable_compilation_cache(tmp_path)
+        assert Path(jax.config.jax_compilation_cache_dir) == _entries(tmp_path) / exec_cache.JAX_SUBDIR
+        assert ExecutableCache.from_jax_config().directory == _entries(tmp_path)
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))  # set by the caller
+        assert ExecutableCache.from_jax_config().directory == _entries(tmp_path / "mine")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
 
 
 def test_a_program_jax_hands_out_again_in_process_is_not_stored(tmp_path):
