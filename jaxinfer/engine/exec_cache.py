@@ -12,8 +12,8 @@ start deserializes and loads it.
 Files live in `<cache dir>/jaxinfer-exec/<version>/`, jax's own persistent cache in its `jax/` folder
 (`jax_cache_dir`), so `--compilation-cache-dir` moves them and `--no-compilation-cache` turns both off;
 `JAXINFER_EXEC_CACHE=0` turns off only this layer. (A jax cache folder the caller set itself holds
-`jaxinfer-exec/<version>/`.) Writes are atomic
-(temporary file + rename). An unreadable, corrupt or mismatched entry logs one warning and compiles normally.
+`jaxinfer-exec/<version>/`.) Writes are atomic (temporary file + rename). An unreadable, corrupt or mismatched
+entry logs one warning and compiles normally.
 `<version>` names the jax/jaxlib versions and this package's source: no entry of another version can ever load,
 so a process that stores entries deletes the folders of all versions but the most recently written other one
 (an upgrade, or a checkout's every edit, would otherwise leave ~100 MB of dead entries each time).

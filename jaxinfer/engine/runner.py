@@ -91,7 +91,10 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     jax_dir = jax_cache_dir(path)
     jax_dir.mkdir(parents=True, exist_ok=True)
     if path == default:  # jaxinfer's own folder: jax's entries of the layout before version folders are dead
-        remove_jax_entries(path)
+        try:
+            remove_jax_entries(path)
+        except OSError as e:  # a clean-up: never a reason not to start
+            log.warning("compilation cache: cannot delete jax's old entries in %s (%s)", path, e)
     jax.config.update("jax_compilation_cache_dir", str(jax_dir))
     # NOTE: on CPU nothing is written unless the threshold is 0 (compiles there are fast but still add up).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
