@@ -203,7 +203,7 @@ class ExecutableCache:
         if not base or os.environ.get("JAXINFER_EXEC_CACHE", "1") == "0" or jax.process_count() > 1:
             return None
         jax_dir = Path(base)
-        if jax_dir.name == JAX_SUBDIR and jax_dir.parent.name == version() and jax_dir.parent.parent.name == SUBDIR:
+        if len(jax_dir.parents) > 2 and jax_cache_dir(jax_dir.parents[2]) == jax_dir:
             return cls(jax_dir.parent)  # enable_compilation_cache's layout: jax's cache inside this version's folder
         return cls(jax_dir / SUBDIR / version())  # a jax cache folder set by the caller
 

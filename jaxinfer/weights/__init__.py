@@ -251,11 +251,15 @@ def _load_tokenizer(path: Path, cache_dir: Path | None) -> Any:
 
 
 def _tokenizer_cache_key(path: Path) -> str:
-    """The GGUF file (path, size, mtime), and the code that rebuilds its tokenizer: a change to jaxinfer.tokenizer or
-    to the tokenizers library never reads a tokenizer that the previous code built."""
+    """The GGUF file (path, size, mtime), and the code that rebuilds its tokenizer: a change to jaxinfer.tokenizer, to
+    the GGUF metadata reader it reads the vocabulary with, or to the tokenizers library never reads a tokenizer that
+    the previous code built."""
     import tokenizers
 
+    import jaxinfer.gguf_file
     import jaxinfer.tokenizer
 
-    code = hashlib.sha1(Path(jaxinfer.tokenizer.__file__).read_bytes()).hexdigest()[:12]
-    return _cache_key(path, f"tokenizer-{code}-tk{tokenizers.__version__}")
+    code = hashlib.sha1()
+    for module in (jaxinfer.tokenizer, jaxinfer.gguf_file):
+        code.update(Path(module.__file__).read_bytes())
+    return _cache_key(path, f"tokenizer-{code.hexdigest()[:12]}-tk{tokenizers.__version__}")

@@ -296,12 +296,14 @@ def test_a_gguf_tokenizer_is_kept_in_the_cache_and_rebuilt_when_damaged(tmp_path
 
 
 def test_the_tokenizer_cache_key_follows_the_file_and_the_code_that_rebuilds_it(tmp_path, monkeypatch):
-    """A tokenizer kept by an older jaxinfer (another jaxinfer.tokenizer) or tokenizers library is never read."""
+    """A tokenizer kept by an older jaxinfer (another jaxinfer.tokenizer or GGUF reader) or tokenizers library is
+    never read."""
     import os
     from pathlib import Path
 
     import tokenizers
 
+    import jaxinfer.gguf_file
     import jaxinfer.tokenizer
     from jaxinfer.weights import _tokenizer_cache_key
 
@@ -315,6 +317,11 @@ def test_the_tokenizer_cache_key_follows_the_file_and_the_code_that_rebuilds_it(
     edited = tmp_path / "tokenizer.py"
     edited.write_text(Path(jaxinfer.tokenizer.__file__).read_text() + "\n# a fix\n")
     monkeypatch.setattr(jaxinfer.tokenizer, "__file__", str(edited))
+    assert _tokenizer_cache_key(src) != key
+    monkeypatch.undo()
+    reader = tmp_path / "gguf_file.py"
+    reader.write_text(Path(jaxinfer.gguf_file.__file__).read_text() + "\n# a fix\n")
+    monkeypatch.setattr(jaxinfer.gguf_file, "__file__", str(reader))
     assert _tokenizer_cache_key(src) != key
     monkeypatch.undo()
     os.utime(src, ns=(10**9, 10**9))  # the file replaced
