@@ -431,7 +431,7 @@ class Tokenizer:
         new.eos_token_ids = _dedupe([*self.eos_token_ids, *new._template_end_of_turn_ids()])
         return new
 
-    def save(self, directory: str | Path) -> Path:
+    def save_pretrained(self, directory: str | Path) -> Path:
         """Writes this tokenizer as a Hugging Face tokenizer directory that `load_tokenizer` reads back as the same
         tokenizer: tokenizer.json (the pipeline), generation_config.json (the special ids, which decide BOS, EOS and
         the stop ids), tokenizer_config.json and chat_template.jinja. Rebuilding a GGUF's vocabulary takes seconds
@@ -440,7 +440,9 @@ class Tokenizer:
         Each file is replaced whole, tokenizer.json last: a directory that holds it holds the rest. A tokenizer
         wrapping a sentencepiece model has no tokenizer.json to write: its tokenizer.model is the file to keep."""
         if not isinstance(self._backend, _HFBackend):
-            raise TypeError("save: a sentencepiece-backed tokenizer is its tokenizer.model file; copy that instead")
+            raise TypeError(
+                "save_pretrained: a sentencepiece-backed tokenizer is its tokenizer.model file; copy that instead"
+            )
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         ids = {

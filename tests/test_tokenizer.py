@@ -531,9 +531,9 @@ def test_not_a_tokenizer_file(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def saved(pair: tuple[Tokenizer, Any], tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """A GGUF's tokenizer written by `Tokenizer.save` and read back from that directory alone."""
+    """A GGUF's tokenizer written by `Tokenizer.save_pretrained` and read back from that directory alone."""
     ours, _ = pair
-    return load_tokenizer(ours.save(tmp_path_factory.mktemp("saved")))
+    return load_tokenizer(ours.save_pretrained(tmp_path_factory.mktemp("saved")))
 
 
 @pytest.mark.parametrize("text", TEXTS.values(), ids=TEXTS.keys())
@@ -566,17 +566,17 @@ def test_a_saved_tokenizer_keeps_the_special_ids_template_and_bytes(saved: Token
 
 def test_saving_again_replaces_the_template_and_a_sentencepiece_model_is_refused(smollm2, sp_models, tmp_path):
     ours, _ = smollm2
-    ours.save(tmp_path)
+    ours.save_pretrained(tmp_path)
     base = copy.copy(ours)
     base.chat_template = None  # a model without a template, saved over one with
-    base.save(tmp_path)
+    base.save_pretrained(tmp_path)
     again = load_tokenizer(tmp_path)
     assert again.chat_template is None and not (tmp_path / "chat_template.jinja").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     ]  # fmt: skip
     with pytest.raises(TypeError, match="tokenizer.model"):
-        load_tokenizer(sp_models["bpe"]).save(tmp_path / "sp")
+        load_tokenizer(sp_models["bpe"]).save_pretrained(tmp_path / "sp")
 
 
 GEMMA_STYLE = """{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}

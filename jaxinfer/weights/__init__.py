@@ -106,8 +106,9 @@ def load_weights(
         check_tensor_parallel(meta, mesh.shape[MODEL])
     if kind == "checkpoint":
         cfg, params, source = _restore(path, dtype, mesh)
-        # `jaxinfer convert` copies the source's tokenizer (an HF directory's files; a GGUF's as `Tokenizer.save` writes
-        # it, or as tokenizer.gguf before that): the checkpoint then stands on its own.
+        # `jaxinfer convert` copies the source's tokenizer (an HF directory's files; a GGUF's as
+        # `Tokenizer.save_pretrained` writes it, or as tokenizer.gguf before that): the checkpoint then stands
+        # on its own.
         own = any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer.gguf"))
         return cfg, params, path if own else Path(source.get("path", path))
     if kind == "hf":
@@ -230,7 +231,7 @@ def load_model(model: str | Path, dtype: str = "auto", with_tokenizer: bool = Tr
 def _load_tokenizer(path: Path, cache_dir: Path | None) -> Any:
     """The tokenizer of the weights at `path`. A GGUF's is rebuilt from its vocabulary, which takes seconds for a large
     one (Gemma 3: ~3 s of a ~13 s warm start), so the first load keeps it in `cache_dir` as a Hugging Face tokenizer
-    directory (`Tokenizer.save`), read back in about a third of that. None: no cache (`use_cache=False`)."""
+    directory (`Tokenizer.save_pretrained`), read back in about a third of that. None: no cache (`use_cache=False`)."""
     from jaxinfer.tokenizer import load_tokenizer
 
     if path.suffix != ".gguf" or cache_dir is None:
@@ -244,7 +245,7 @@ def _load_tokenizer(path: Path, cache_dir: Path | None) -> Any:
             shutil.rmtree(saved, ignore_errors=True)
     tokenizer = load_tokenizer(path)
     try:
-        tokenizer.save(saved)
+        tokenizer.save_pretrained(saved)
     except OSError as e:
         log.warning("could not write tokenizer cache %s: %s", saved, e)
     return tokenizer

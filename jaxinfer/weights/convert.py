@@ -43,7 +43,7 @@ def convert(src: str, dst: str | Path, dtype: str = "float32") -> Path:
             if (path / name).exists():
                 shutil.copy(path / name, dst / name)
     else:  # the rebuilt tokenizer itself, which a start reads back without rebuilding the GGUF's vocabulary
-        load_tokenizer(path).save(dst)
+        load_tokenizer(path).save_pretrained(dst)
     return dst
 
 

@@ -140,7 +140,7 @@ def test_a_checkpoint_converted_from_a_checkpoint_keeps_the_tokenizer(tmp_path):
     from tests.tiny_model import write_tiny_model
 
     write_tiny_model(tmp_path / "tiny")  # its tokenizer is its source GGUF's
-    convert(str(tmp_path / "tiny"), tmp_path / "a")  # writes the tokenizer (Tokenizer.save) beside the weights
+    convert(str(tmp_path / "tiny"), tmp_path / "a")  # writes the tokenizer (save_pretrained) beside the weights
     assert (tmp_path / "a" / "tokenizer.json").is_file() and not (tmp_path / "a" / "tokenizer.gguf").exists()
     convert(str(tmp_path / "a"), tmp_path / "b")
     assert read_meta(tmp_path / "b")["source"]["kind"] == "checkpoint"
@@ -261,9 +261,9 @@ def test_damaged_conversion_cache_is_rebuilt_once(smol_converted, tmp_path, monk
 
 
 def test_a_gguf_tokenizer_is_kept_in_the_cache_and_rebuilt_when_damaged(tmp_path, monkeypatch, caplog):
-    """The first load rebuilds a GGUF's tokenizer from its vocabulary and keeps it (`Tokenizer.save`) in the cache;
-    the next reads it back without the GGUF. A damaged entry is rebuilt and rewritten; `use_cache=False` neither
-    reads nor writes one."""
+    """The first load rebuilds a GGUF's tokenizer from its vocabulary and keeps it (`Tokenizer.save_pretrained`) in
+    the cache; the next reads it back without the GGUF. A damaged entry is rebuilt and rewritten; `use_cache=False`
+    neither reads nor writes one."""
     from jaxinfer.tokenizer import Tokenizer, load_tokenizer
     from jaxinfer.weights import load_model
     from tests.tiny_model import write_tiny_model
