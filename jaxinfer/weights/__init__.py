@@ -50,9 +50,9 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer")) / "converted"
 
 
-def _conversion_path(path: Path, dtype: str, cache_dir: Path | None = None) -> Path:
+def _conversion_path(path: Path, dtype: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where `load_weights` keeps (and `read_model_config` looks for) the conversion of GGUF file `path` to dtype."""
-    return (cache_dir or default_cache_dir()) / _cache_key(path, dtype)
+    return Path(cache_dir or default_cache_dir()) / _cache_key(path, dtype)
 
 
 def _cache_key(path: Path, dtype: str) -> str:
@@ -83,7 +83,7 @@ def checkpoint_dtype(path: Path) -> str | None:
 def load_weights(
     model: str | Path,
     dtype: str = "auto",
-    cache_dir: Path | None = None,
+    cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
     mesh: Mesh | None = None,
 ) -> tuple[ModelConfig, Params, Path]:
@@ -223,7 +223,7 @@ def load_model(model: str | Path, dtype: str = "auto", with_tokenizer: bool = Tr
     """Config, params and tokenizer for a model name (preset), GGUF file, HF directory or checkpoint.
     `with_tokenizer=False`: no tokenizer (None), for a caller that brings its own (the model may have none)."""
     cfg, params, path = load_weights(model, dtype, **kwargs)
-    cache_dir = (kwargs.get("cache_dir") or default_cache_dir()) if kwargs.get("use_cache", True) else None
+    cache_dir = Path(kwargs.get("cache_dir") or default_cache_dir()) if kwargs.get("use_cache", True) else None
     tokenizer = _load_tokenizer(path, cache_dir) if with_tokenizer else None
     return LoadedModel(cfg, params, tokenizer, path)
 

@@ -204,7 +204,8 @@ def test_read_model_config_is_what_loading_reads(smol_converted, tmp_path, monke
 
 
 def test_gguf_conversion_cache(smol_converted, monkeypatch):
-    """A load of a converted GGUF restores the cached conversion instead of dequantizing again."""
+    """A load of a converted GGUF restores the cached conversion instead of dequantizing again; the cache folder may be
+    given as text, as a user passes one."""
     from jaxinfer.model_files import smollm2_gguf
 
     cache_dir, cfg1, p1 = smol_converted
@@ -216,7 +217,7 @@ def test_gguf_conversion_cache(smol_converted, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr("jaxinfer.weights.load_gguf", counting)
-    cfg2, p2, _ = load_weights(smollm2_gguf(), cache_dir=cache_dir)
+    cfg2, p2, _ = load_weights(smollm2_gguf(), cache_dir=str(cache_dir))
     assert not calls and cfg1 == cfg2
     _assert_same(p1, p2)
 
@@ -277,7 +278,7 @@ def test_a_gguf_tokenizer_is_kept_in_the_cache_and_rebuilt_when_damaged(tmp_path
     first = load_model(tmp_path / "tiny", cache_dir=cache).tokenizer
     (entry,) = cache.iterdir()
     assert len(built) == 1 and (entry / "tokenizer.json").is_file()
-    second = load_model(tmp_path / "tiny", cache_dir=cache).tokenizer
+    second = load_model(tmp_path / "tiny", cache_dir=str(cache)).tokenizer  # a folder given as text
     assert len(built) == 1
     assert [second.encode(t) for t in texts] == [first.encode(t) for t in texts]
     assert (second.eos_token_ids, second.bos_token_id, second.chat_template) == (
