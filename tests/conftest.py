@@ -9,10 +9,6 @@ import os
 
 DEVICE_TESTS = os.environ.get("JAXINFER_TEST_DEVICE") == "1"
 
-# One persistent compilation cache for the test processes and the servers they start (the same directory as
-# LLM()'s default): a program compiled once on a machine is loaded, not recompiled, by later tests and runs. Counting
-# compiles still works: jax reports a cache load as a backend compile too (jaxinfer.engine.runner.compile_count).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxinfer/xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The executable cache (serialized steps, jaxinfer.engine.exec_cache) is on, as for users: engines warm up as theirs
 # do (each bucket compiled ahead of time, not run), and an engine built with a step another test compiled in this run
@@ -27,6 +23,21 @@ else:
     # on an H200, 44 f32 cases of tests/kernels failed that way and no bf16 one. Full-precision f32 dots keep
     # those comparisons about the kernels' math; bf16 runs (the engine's default on a device) are unaffected.
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+# One persistent compilation cache for the test processes and the servers they start: the folder an engine on the
+# default cache uses (runner.enable_compilation_cache), so a program compiled once on a machine is loaded, not
+# recompiled, by later tests and runs. A test process that builds no engine would otherwise write to the top level
+# of the default folder, whose jax entries every engine's start deletes as left over from before version folders
+# (during one run here the folder held 88 of them, and 30 two minutes later). Counting compiles still works: jax
+# reports a cache load as a backend compile too (jaxinfer.engine.runner.compile_count). Set after the JAX_* settings
+# above, which jax reads when it is imported.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import jax
+
+    from jaxinfer.engine.exec_cache import jax_cache_dir
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache_dir(os.path.expanduser("~/.cache/jaxinfer/xla")))
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def pytest_collection_modifyitems(config, items):
