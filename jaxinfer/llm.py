@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ class LLM:
     # None once closed, and on an object whose __init__ failed before building it (its __del__ still runs).
     engine: Engine | None = None
 
-    def __init__(self, model: str | nnx.Module = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
+    def __init__(self, model: str | os.PathLike | nnx.Module = DEFAULT_MODEL, *, warmup: bool = False, **settings: Any):
         """`model`: a preset, a GGUF file, an HF directory, a checkpoint, or your own nnx.Module (see
         jaxinfer.model.protocol; pass `tokenizer=` with it). `settings` are the fields of
         `jaxinfer.engine.config.EngineArgs` (vLLM's names: max_model_len, max_num_seqs, block_size,

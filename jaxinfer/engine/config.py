@@ -10,6 +10,7 @@ Host-only (no jax): the HTTP process validates requests against these without im
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -92,9 +93,10 @@ GENERATION_CONFIGS = ("auto", "vllm")
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """What `build_engine` builds from. `model`: a preset, a GGUF file, an HF directory, a checkpoint, an entry
-    point `"pkg.module:build"`, or your own nnx.Module (jaxinfer.model.protocol; `tokenizer` is then required).
-    `tokenizer`: a Tokenizer, or a model name or path to read one from (overrides the model's own)."""
+    """What `build_engine` builds from. `model`: a preset, a GGUF file, an HF directory, a checkpoint (a path as
+    text or a pathlib.Path), an entry point `"pkg.module:build"`, or your own nnx.Module (jaxinfer.model.protocol;
+    `tokenizer` is then required). `tokenizer`: a Tokenizer, or a model name or path to read one from (overrides the
+    model's own)."""
 
     model: Any = DEFAULT_MODEL
     tokenizer: Any = None
@@ -140,6 +142,8 @@ class EngineArgs:
         """Raises ValueError naming the first setting of the wrong type or range: `LLM(max_num_seqs=0)` fell back to
         the default (`x or default`), `enable_prefix_caching="no"` was truthy, and `max_logprobs=-1` built an
         engine that failed every request."""
+        if isinstance(self.model, os.PathLike):  # a pathlib.Path to the weights was taken for a user's module
+            object.__setattr__(self, "model", os.fspath(self.model))
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_tokens"):
             _check_int(self, name, 1, optional=True)
         for name in ("block_size", "tensor_parallel_size", "data_parallel_size"):

@@ -29,8 +29,8 @@ def test_the_kernel_is_prepared_for_the_models_head_dim_before_the_weights_load(
         raise _Stop
 
     monkeypatch.setattr(build, "_load", load)
-    with pytest.raises(_Stop):
-        build.build_engine(EngineArgs(model=str(tmp_path / "tiny"), **kwargs))
+    with pytest.raises(_Stop):  # a pathlib.Path, as a user passes one: the weights' path, not a module of theirs
+        build.build_engine(EngineArgs(model=tmp_path / "tiny", **kwargs))
     assert events == [("prepare", expected), ("load", None)]
 
 
