@@ -5,9 +5,10 @@ advanced sampling and prompt-logprobs variants while idle).
     python -m benchmarks.bench_startup                      # the default model, no flags: what a new user runs
     python -m benchmarks.bench_startup --serve-args "--max-model-len 512 --num-kv-tokens 4096" --out start.json
 
-Cold: fresh, empty compilation (jax's and numba's) and conversion caches (temporary directories). Warm: the same
-command again, on the caches the cold run filled. `warm-noexec`: warm with JAXINFER_EXEC_CACHE=0 (only jax's
-persistent XLA cache, so every step is traced and lowered again): the executable cache's share, side by side.
+Cold: fresh, empty compilation (jax's and numba's) and conversion caches (temporary directories; each cold run its
+own). Warm: the same command again, on the caches the last cold run filled. `warm-noexec`: warm with
+JAXINFER_EXEC_CACHE=0 (only jax's persistent XLA cache, so every step is traced and lowered again): the executable
+cache's share, side by side.
 The engine process logs its start-up summary (load, buckets, compile seconds); the table puts those beside the
 wall time to ready. Nothing here asserts a time.
 """
@@ -60,6 +61,17 @@ def start_once(serve_args: list[str], env: dict[str, str], log: Path, timeout: f
     }
 
 
+def cache_sets(runs: list[str]) -> list[int]:
+    """Which set of caches each run starts on: every cold run a new, empty one; a warm run the last one (the first
+    run's when no cold run came before it)."""
+    sets, current = [], 0
+    for i, run in enumerate(runs):
+        if run == "cold":
+            current = i
+        sets.append(current)
+    return sets
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_startup", description=__doc__.split("\n")[0])
     p.add_argument("--serve-args", default="", help="flags for serve.py, one string (default: none)")
@@ -76,14 +88,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rows = []
+    runs = args.runs.split(",")
     with tempfile.TemporaryDirectory(prefix="jaxinfer-startup-") as tmp:
-        # NUMBA_CACHE_DIR: the CPU attention kernel's machine code too (kernels_pallas/ragged_cpu_numba.py), which a
-        # new machine builds on its first start.
-        env = {**os.environ, "PYTHONPATH": str(REPO), "JAXINFER_COMPILE_CACHE": f"{tmp}/xla",
-               "JAXINFER_CACHE": f"{tmp}/converted", "NUMBA_CACHE_DIR": f"{tmp}/numba"}  # fmt: skip
-        for run in args.runs.split(","):
+        for i, (run, fill) in enumerate(zip(runs, cache_sets(runs), strict=True)):
+            caches = Path(tmp) / f"caches-{fill}"
+            # NUMBA_CACHE_DIR: the CPU attention kernel's machine code too (kernels_pallas/ragged_cpu_numba.py), which
+            # a new machine builds on its first start.
+            env = {**os.environ, "PYTHONPATH": str(REPO), "JAXINFER_COMPILE_CACHE": f"{caches}/xla",
+                   "JAXINFER_CACHE": f"{caches}/converted", "NUMBA_CACHE_DIR": f"{caches}/numba"}  # fmt: skip
             run_env = {**env, "JAXINFER_EXEC_CACHE": "0"} if run.endswith("-noexec") else env
-            r = start_once(shlex.split(args.serve_args), run_env, Path(tmp) / f"{run}.log", args.timeout)
+            r = start_once(shlex.split(args.serve_args), run_env, Path(tmp) / f"{i}-{run}.log", args.timeout)
             rows.append({"run": run, **r})
             print(f"{run}: {r}", file=sys.stderr)
     cols = ["run", "ready_s", "all_s", "load_s", "compile_s", "buckets", "deferred"]
