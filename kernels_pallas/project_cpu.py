@@ -12,6 +12,7 @@ weights stream from memory (jaxinfer.model.layers.project picks it; benchmarks/R
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +32,26 @@ def max_rows() -> int:
     return ROW_LANES[-1] if numba_ffi.compiles_for_avx512() else ROW_LANES[0]
 
 
-@functools.cache
 def unavailable() -> str | None:
     """Why the kernel cannot run in this process (None: it can, and its handler is registered with XLA). The first
-    call imports numba and loads the handler from numba's cache, or builds it (once per machine)."""
+    call imports numba and loads the handler from numba's cache, or builds it (once per machine: ~11 s on 2 cores);
+    a call while `prepare`'s thread does that waits for it."""
+    with _loading:
+        return _unavailable()
+
+
+_loading = threading.Lock()
+
+
+def prepare() -> None:
+    """Starts `unavailable`'s load (or build) on a thread, so that it overlaps the caller's loading of the weights:
+    on a new machine the build ran in series with it, before the steps could compile. numba compiles its IR with
+    LLVM outside the GIL."""
+    threading.Thread(target=unavailable, name="project-kernel-load", daemon=True).start()
+
+
+@functools.cache
+def _unavailable() -> str | None:
     reason = numba_ffi.load_failure("kernels_pallas.project_cpu_numba")
     if reason is not None:
         return reason

@@ -1,4 +1,5 @@
-"""build_engine starts the attention kernel's build for the model's head dim before it loads the weights."""
+"""build_engine starts the attention kernel's build for the model's head dim, and the projection kernel's load, before
+it loads the weights."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 import jaxinfer.engine.build as build
 from jaxinfer.engine.config import EngineArgs
+from kernels_pallas import project_cpu
 from tests.tiny_model import write_tiny_model
 
 
@@ -13,16 +15,18 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("kwargs,expected", [
-    ({}, (None, 16, "float32", "float16")),  # a float32 model's pool on CPU: float16 (resolve_kv_cache_dtype)
-    ({"attn_impl": "cpu_jnp", "kv_cache_dtype": "bfloat16"}, ("cpu_jnp", 16, "float32", "bfloat16")),
+@pytest.mark.parametrize("kwargs,expected,projection", [
+    ({}, (None, 16, "float32", "float16"), True),  # a float32 model's pool on CPU: float16 (resolve_kv_cache_dtype)
+    ({"attn_impl": "cpu_jnp", "kv_cache_dtype": "bfloat16"}, ("cpu_jnp", 16, "float32", "bfloat16"), True),
+    ({"dtype": "bfloat16"}, (None, 16, "bfloat16", "float32"), False),  # the projection kernel is float32's only
 ])  # fmt: skip
-def test_the_kernel_is_prepared_for_the_models_head_dim_before_the_weights_load(tmp_path, monkeypatch, kwargs,
-                                                                                  expected):  # fmt: skip
+def test_the_kernels_are_prepared_for_the_models_shape_before_the_weights_load(tmp_path, monkeypatch, kwargs,
+                                                                                expected, projection):  # fmt: skip
     write_tiny_model(tmp_path / "tiny")  # head dim 16
     events = []
     monkeypatch.setattr(build.kernels_pallas, "prepare",
                         lambda impl, shape: events.append(("prepare", (impl, *shape()))) or False)  # fmt: skip
+    monkeypatch.setattr(project_cpu, "prepare", lambda: events.append(("projection kernel", None)))
 
     def load(*args):
         events.append(("load", None))
@@ -31,7 +35,7 @@ def test_the_kernel_is_prepared_for_the_models_head_dim_before_the_weights_load(
     monkeypatch.setattr(build, "_load", load)
     with pytest.raises(_Stop):  # a pathlib.Path, as a user passes one: the weights' path, not a module of theirs
         build.build_engine(EngineArgs(model=tmp_path / "tiny", **kwargs))
-    assert events == [("prepare", expected), ("load", None)]
+    assert events == [("prepare", expected), *[("projection kernel", None)] * projection, ("load", None)]
 
 
 def test_warmup_loads_the_kernels_built_beside_its_compiles(tmp_path, monkeypatch):

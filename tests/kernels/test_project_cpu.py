@@ -105,3 +105,38 @@ def test_row_layout_chunks_the_rows():
     rest in the narrowest that holds it."""
     for rows, want in _LAYOUTS[project_cpu.max_rows()].items():
         assert project_cpu.row_layout(rows) == want, rows
+
+
+def test_a_caller_waits_for_the_load_prepare_started_and_nothing_loads_twice(monkeypatch):
+    """`prepare` starts the kernel's load (on a new machine its ~11 s build) on a thread while the weights load; the
+    runner's own call meanwhile waits for that load instead of starting a second one, and gets its answer."""
+    import threading
+
+    from kernels_pallas import numba_ffi
+
+    started, release, loads = threading.Event(), threading.Event(), []
+
+    def slow_failure(module):
+        loads.append(module)
+        started.set()
+        release.wait(10)
+        return "a stand-in for numba's answer"
+
+    monkeypatch.setattr(numba_ffi, "load_failure", slow_failure)
+    project_cpu._unavailable.cache_clear()
+    try:
+        project_cpu.prepare()
+        assert started.wait(10)
+        answers = []
+        caller = threading.Thread(target=lambda: answers.append(project_cpu.unavailable()))
+        caller.start()
+        caller.join(0.2)
+        assert caller.is_alive()  # waiting on the load in progress
+        release.set()
+        caller.join(10)
+        assert answers == ["a stand-in for numba's answer"] and len(loads) == 1
+    finally:
+        release.set()
+        monkeypatch.undo()
+        project_cpu._unavailable.cache_clear()  # the real answer again for the tests after this one
+    assert project_cpu.unavailable() is None
