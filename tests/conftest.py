@@ -34,9 +34,9 @@ else:
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import jax
 
-    from jaxinfer.engine.exec_cache import jax_cache_dir
+    from jaxinfer.engine.exec_cache import default_folder, jax_cache_dir
 
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache_dir(os.path.expanduser("~/.cache/jaxinfer/xla")))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache_dir(default_folder()))
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 

@@ -107,6 +107,12 @@ def version() -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:VERSION_CHARS]
 
 
+def default_folder() -> Path:
+    """jaxinfer's own compilation cache folder, where `runner.enable_compilation_cache` puts both caches unless told
+    otherwise (`--compilation-cache-dir`, $JAXINFER_COMPILE_CACHE)."""
+    return Path.home() / ".cache" / "jaxinfer" / "xla"
+
+
 def jax_cache_dir(base: str | os.PathLike) -> Path:
     """Where `runner.enable_compilation_cache` keeps jax's persistent cache under the cache folder `base`: inside this
     version's folder. A new version (an upgrade, an edit) then starts with jax's cache empty too, so XLA compiles

@@ -31,7 +31,7 @@ from jaxinfer.cache.sizing import PoolSize, page_bytes_per_device, size_kv_pool
 from jaxinfer.config import CUSTOM_ARCH, ModelConfig
 from jaxinfer.device import attention_query_dtype
 from jaxinfer.engine.config import CacheConfig
-from jaxinfer.engine.exec_cache import ExecutableCache, jax_cache_dir, remove_jax_entries
+from jaxinfer.engine.exec_cache import ExecutableCache, default_folder, jax_cache_dir, remove_jax_entries
 from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
@@ -86,7 +86,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     """Turns on jax's persistent compilation cache, and with it the executable cache, under the folder `path`, so a
     restart reuses compiled steps. jax's entries live in the executable cache's version folder
     (`jax_cache_dir`): after an upgrade the steps compile once and are stored again."""
-    default = Path.home() / ".cache" / "jaxinfer" / "xla"
+    default = default_folder()
     path = Path(path or os.environ.get("JAXINFER_COMPILE_CACHE", default))
     jax_dir = jax_cache_dir(path)
     jax_dir.mkdir(parents=True, exist_ok=True)
