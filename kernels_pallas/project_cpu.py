@@ -32,6 +32,11 @@ def max_rows() -> int:
     return ROW_LANES[-1] if numba_ffi.compiles_for_avx512() else ROW_LANES[0]
 
 
+def applies(dtype) -> bool:
+    """Whether the steps of a model in `dtype` may call the kernel: float32 on the CPU backend."""
+    return jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+
+
 def unavailable() -> str | None:
     """Why the kernel cannot run in this process (None: it can, and its handler is registered with XLA). The first
     call imports numba and loads the handler from numba's cache, or builds it (once per machine: ~11 s on 2 cores);

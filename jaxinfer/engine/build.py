@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 import kernels_pallas
@@ -107,9 +106,9 @@ def _prepare_kernels(attn_impl: str | None, meta: ModelConfig, cache: CacheConfi
 
     if kernels_pallas.prepare(attn_impl, model_shape):
         log.info("building the CPU attention kernel in a child process while the weights load")
-    if jax.default_backend() == "cpu" and jnp.dtype(meta.dtype) == jnp.float32:  # the runner's condition for it
-        from kernels_pallas import project_cpu
+    from kernels_pallas import project_cpu
 
+    if project_cpu.applies(meta.dtype):  # where the runner loads it
         project_cpu.prepare()
 
 

@@ -350,7 +350,7 @@ class ModelRunner:
         self.seq_buckets, self.token_buckets = self.buckets.seq_buckets, self.buckets.token_buckets
         # Serialized compiled steps (None: off): a warm start skips tracing and lowering. See exec_cache.
         self.exec_cache = ExecutableCache.from_jax_config()
-        if jax.default_backend() == "cpu" and jnp.dtype(cfg.dtype) == jnp.float32:
+        if project_cpu.applies(cfg.dtype):
             # A loaded step may call the CPU projection kernel (layers.project): XLA resolves its FFI target when
             # the step loads, and a warm start traces nothing that would register it first. The checks of the
             # library's orders that pick `project`'s forms compile their own small programs: here, not mid-warm-up.
