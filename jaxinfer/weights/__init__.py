@@ -50,9 +50,14 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer")) / "converted"
 
 
+def _cache_folder(cache_dir: str | os.PathLike | None) -> Path:
+    """The conversion cache folder: `cache_dir` (text or a path), else the default."""
+    return Path(cache_dir or default_cache_dir())
+
+
 def _conversion_path(path: Path, dtype: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where `load_weights` keeps (and `read_model_config` looks for) the conversion of GGUF file `path` to dtype."""
-    return Path(cache_dir or default_cache_dir()) / _cache_key(path, dtype)
+    return _cache_folder(cache_dir) / _cache_key(path, dtype)
 
 
 def _cache_key(path: Path, dtype: str) -> str:
@@ -223,7 +228,7 @@ def load_model(model: str | Path, dtype: str = "auto", with_tokenizer: bool = Tr
     """Config, params and tokenizer for a model name (preset), GGUF file, HF directory or checkpoint.
     `with_tokenizer=False`: no tokenizer (None), for a caller that brings its own (the model may have none)."""
     cfg, params, path = load_weights(model, dtype, **kwargs)
-    cache_dir = Path(kwargs.get("cache_dir") or default_cache_dir()) if kwargs.get("use_cache", True) else None
+    cache_dir = _cache_folder(kwargs.get("cache_dir")) if kwargs.get("use_cache", True) else None
     tokenizer = _load_tokenizer(path, cache_dir) if with_tokenizer else None
     return LoadedModel(cfg, params, tokenizer, path)
 
