@@ -254,6 +254,14 @@ def compute_logprobs(raw: jax.Array, token_ids: jax.Array, k: int) -> tuple[jax.
     return logprobs, top_ids.astype(jnp.int32), top_vals - log_z[:, None]
 
 
+def target_ranks(raw: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """raw f32[S, V], token_ids i32[S] -> i32[S]: each token's rank in its row, 1 = the most likely. Tokens tied
+    with it count as ahead of it, as vLLM ranks."""
+    raw = raw.astype(jnp.float32)
+    own = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)  # f32[S, 1]
+    return jnp.sum(raw >= own, axis=-1, dtype=jnp.int32)
+
+
 def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """Logit bias then penalties (steps 2-3 above), on f32[S, V] logits -> f32[S, V]. Greedy takes its argmax."""
     x = logits.astype(jnp.float32)

@@ -184,6 +184,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # when params.logprobs is set
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # beside prompt_logprobs: each token's rank
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING
@@ -253,6 +254,7 @@ class SeqUpdate:
     finish_reason: str | None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first token, when asked for
+    prompt_ranks: list[int | None] | None = None  # beside prompt_logprobs (RequestOutput.prompt_ranks)
     error: str | None = None  # finish_reason "error": why the engine failed this sequence (the others go on)
     timing: SeqTiming | None = None  # with the sequence's first token
 
@@ -298,6 +300,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # the engine failed this request (finish_reason "error"); the message says why
+    # Beside prompt_logprobs: each prompt token's rank among the vocabulary under the logits that scored it (1: the
+    # most likely; tokens tied with it count as ahead), None for the first token. vLLM's Logprob.rank.
+    prompt_ranks: list[int | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int | None:

@@ -578,6 +578,22 @@ def test_prompt_logprobs_of_bfloat16_logits_are_computed_in_float32(vocab):
     assert lp.dtype == jnp.float32
 
 
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 17), (6, 257), (4, 49152)])
+def test_target_ranks_count_the_tokens_ahead(rows, vocab):
+    """A token's rank (prompt_logprobs' `rank`): 1 + the tokens more likely than it, the tokens tied with it counted
+    as ahead (vLLM's ranks)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(vocab)
+    logits = np.round(rng.normal(0, 2, (rows, vocab)), 1).astype(np.float32)  # rounded: ties among them
+    ids = rng.integers(0, vocab, rows).astype(np.int32)
+    logits[0, (ids[0] + 1) % vocab] = logits[0, ids[0]]  # at least one tie with the token itself
+    want = [
+        int(np.sum(logits[r] > logits[r, ids[r]])) + int(np.sum(logits[r] == logits[r, ids[r]])) for r in range(rows)
+    ]
+    assert list(np.asarray(sampling.target_ranks(jnp.asarray(logits), jnp.asarray(ids)))) == want
+
+
 def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
     """Notebook code passes numpy scalars (`seed=rng.integers(...)`, a temperature read from an array); they were
     refused as "must be an integer ... got np.int64(5)". They become Python numbers, which the wire to the engine's

@@ -85,7 +85,8 @@ def params_from_wire(d: dict) -> SamplingParams:
 
 def update_to_wire(u: SeqUpdate) -> list:
     return [u.request_id, u.new_token_ids, u.new_logprobs, u.finished, u.finish_reason, u.stop_reason,
-            u.prompt_logprobs, u.error, u.timing.to_wire() if u.timing is not None else None]  # fmt: skip
+            u.prompt_logprobs, u.prompt_ranks, u.error,
+            u.timing.to_wire() if u.timing is not None else None]  # fmt: skip
 
 
 def outputs_to_wire(updates: list[SeqUpdate], stats: dict) -> bytes:
@@ -93,8 +94,8 @@ def outputs_to_wire(updates: list[SeqUpdate], stats: dict) -> bytes:
 
 
 def update_from_wire(w: list) -> SeqUpdate:
-    rid, toks, lps, finished, reason, stop_reason, prompt_lps, error, timing = w
-    return SeqUpdate(rid, toks, lps or [], finished, reason, stop_reason, prompt_lps, error,
+    rid, toks, lps, finished, reason, stop_reason, prompt_lps, prompt_ranks, error, timing = w
+    return SeqUpdate(rid, toks, lps or [], finished, reason, stop_reason, prompt_lps, prompt_ranks, error,
                      SeqTiming.from_wire(timing) if timing is not None else None)  # fmt: skip
 
 

@@ -541,14 +541,15 @@ class Engine:
                 req.prefill_chunks, req.num_host_cached_tokens,
             )  # fmt: skip
         if req.params.prompt_logprobs is not None and s.out_index == 0:
-            update.prompt_logprobs = req.prompt_logprobs
+            update.prompt_logprobs, update.prompt_ranks = req.prompt_logprobs, req.prompt_ranks
         return update
 
     def _record_prompt_logprobs(self, req: Request, c: SeqChunk, prompt_lp: tuple, off: int) -> None:
         """The chunk's rows of the step's per-token prompt logprobs (they start at packed token `off`)."""
-        lps, top_ids, top_lps = prompt_lp
+        lps, top_ids, top_lps, ranks = prompt_lp
         if not req.prompt_logprobs:
             req.prompt_logprobs = [None]  # the first prompt token has nothing before it
+            req.prompt_ranks = [None]
         k = req.params.prompt_logprobs
         for j, target in enumerate(c.target_ids):
             # Entry p + 1 scores prompt token p + 1; a preempted request recomputes entries it already has.
@@ -558,6 +559,7 @@ class Engine:
             for t, v in zip(top_ids[off + j, :k], top_lps[off + j, :k], strict=True):
                 entry.setdefault(int(t), float(v))
             req.prompt_logprobs.append(entry)
+            req.prompt_ranks.append(int(ranks[off + j]))
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

@@ -53,6 +53,7 @@ class _Outputs:
                 u, new_token_ids=tokens, new_logprobs=logprobs,
                 # What only the first token's update carries is kept from it.
                 prompt_logprobs=old.prompt_logprobs if old.prompt_logprobs is not None else u.prompt_logprobs,
+                prompt_ranks=old.prompt_ranks if old.prompt_ranks is not None else u.prompt_ranks,
                 timing=old.timing if old.timing is not None else u.timing,
                 error=u.error if u.error is not None else old.error,
             )  # fmt: skip

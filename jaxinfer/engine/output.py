@@ -55,6 +55,7 @@ class _Req:
     seqs: dict[str, _Seq]
     arrival_time: float  # when it was handed to the engine (time.monotonic)
     prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None
     sent_prompt_logprobs: bool = False
     error: str | None = None  # the engine failed it (finish_reason "error")
     timing: SeqTiming | None = None  # the first sample's to reach its first token
@@ -107,7 +108,7 @@ class OutputProcessor:
                     other.finish_reason = other.finish_reason or "error"
                 continue
             if u.prompt_logprobs is not None and req.prompt_logprobs is None:
-                req.prompt_logprobs = u.prompt_logprobs
+                req.prompt_logprobs, req.prompt_ranks = u.prompt_logprobs, u.prompt_ranks
             if u.timing is not None and req.timing is None:
                 req.timing = u.timing
             t0 = time.perf_counter()
@@ -172,11 +173,11 @@ class OutputProcessor:
         finished = all(s.sent_finish for s in req.seqs.values())
         if finished and req.finished_time is None:
             req.finished_time = time.monotonic()
-        prompt_logprobs = None
+        prompt_logprobs = prompt_ranks = None
         if req.prompt_logprobs is not None and not req.sent_prompt_logprobs:
-            prompt_logprobs, req.sent_prompt_logprobs = req.prompt_logprobs, True
+            prompt_logprobs, prompt_ranks, req.sent_prompt_logprobs = req.prompt_logprobs, req.prompt_ranks, True
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs, finished,
-                             self._metrics(req), req.error)  # fmt: skip
+                             self._metrics(req), req.error, prompt_ranks)  # fmt: skip
 
     @staticmethod
     def _metrics(req: _Req) -> RequestMetrics:
@@ -213,6 +214,7 @@ class OutputAccumulator:
         as a caller that decides "every sample ended" must see them; without, only the samples seen."""
         self._last: RequestOutput | None = None
         self._prompt_logprobs: list | None = None
+        self._prompt_ranks: list | None = None
         self._samples: dict[int, _Whole] = {}
         for i in range(params.n if params is not None else 0):
             self._samples[i] = _Whole(i, [] if params.logprobs is not None else None)
@@ -220,7 +222,7 @@ class OutputAccumulator:
     def add(self, delta: RequestOutput) -> None:
         self._last = delta
         if delta.prompt_logprobs is not None:
-            self._prompt_logprobs = delta.prompt_logprobs
+            self._prompt_logprobs, self._prompt_ranks = delta.prompt_logprobs, delta.prompt_ranks
         for c in delta.outputs:
             whole = self._samples.get(c.index)
             if whole is None:
@@ -239,7 +241,7 @@ class OutputAccumulator:
         outs = [self._samples[i].output() for i in sorted(self._samples)]
         last = self._last
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, self._prompt_logprobs, outs,
-                             last.finished, last.metrics, last.error)  # fmt: skip
+                             last.finished, last.metrics, last.error, self._prompt_ranks)  # fmt: skip
 
 
 @dataclass

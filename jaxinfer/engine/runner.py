@@ -48,6 +48,7 @@ from jaxinfer.sampling import (
     compute_logprobs,
     needs_advanced,
     sample,
+    target_ranks,
 )
 from jaxinfer.sharding import KV_POOL_AXES, MODEL, device_buffers, spec
 from jaxinfer.step import StepInputs, StepPacker, bucket_table, pack, pick_bucket
@@ -183,8 +184,8 @@ def paged_step(
     `feed` i32[max_num_seqs] holds the previous step's sampled tokens. A token id `-(i + 2)` in the inputs (token
     ids, and the penalty history) is a placeholder for row i's token of that step: with overlap scheduling the host
     dispatches this step before it has read them. Returns the new feed (this step's tokens, padded).
-    With prompt_logprobs, also (logprob of target, top ids, top logprobs) for every packed token: a separate
-    program (compiled on first use) since it computes logits for all T tokens, not just S.
+    With prompt_logprobs, also (logprob of target, top ids, top logprobs, rank of target) for every packed token:
+    a separate program (compiled on first use) since it computes logits for all T tokens, not just S.
     The StepInputs and SamplingTensors arrive as `flat` buffers (see jaxinfer.engine.transfer).
     The model arrives split (jaxinfer.model.functional): merged here, at trace time, from its weight leaves."""
     model = model_def.merge(weights)
@@ -208,7 +209,8 @@ def paged_step(
     if prompt_logprobs:
         with sharded():
             lg_all = model.logits(hidden[0])  # f32[T, V]
-        prompt_lp = compute_logprobs(lg_all, jnp.maximum(inp.target_ids, 0), num_logprobs or 0)
+        targets = jnp.maximum(inp.target_ids, 0)
+        prompt_lp = (*compute_logprobs(lg_all, targets, num_logprobs or 0), target_ranks(lg_all, targets))
     out = sample(lg, st, advanced=advanced, num_logprobs=num_logprobs)
     return out, prompt_lp, kv, feed.at[: out.token_ids.shape[0]].set(out.token_ids)
 

@@ -16,7 +16,7 @@ from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
-from jaxinfer.server.logprobs import chat_logprobs
+from jaxinfer.server.logprobs import chat_logprobs, prompt_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage, template_kwargs
 from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
@@ -153,6 +153,9 @@ class _View:
         ]
         body = self._envelope("chat.completion", choices)
         body["usage"] = self._usage(sum(len(c.token_ids) for c in final.outputs), final)
+        if self.req.prompt_logprobs is not None:  # vLLM's field: on the response, the prompt being the choices' one
+            body["prompt_logprobs"] = prompt_logprobs(self.sub.prompt_ids, final.prompt_logprobs, final.prompt_ranks,
+                                                      self.req.prompt_logprobs, self.ctx.token_text)  # fmt: skip
         return body
 
     async def stream(self, admission: Admission) -> AsyncIterator[str]:

@@ -15,7 +15,7 @@ from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
-from jaxinfer.server.logprobs import TextOffsets, completion_logprobs, join_logprobs
+from jaxinfer.server.logprobs import TextOffsets, completion_logprobs, join_logprobs, prompt_logprobs
 from jaxinfer.server.protocol import CompletionRequest
 from jaxinfer.server.sampling import check_fanout, completion_params, prompt_only, reject_unsupported
 from jaxinfer.server.streaming import (
@@ -170,6 +170,14 @@ class _View:
         prompt = completion_logprobs(ids, scored, self.req.logprobs, self.ctx.token_text, self._echo_offsets(sub, echo))
         return join_logprobs(prompt, gen)
 
+    def _prompt_logprobs(self, sub: EngineRequest, out: RequestOutput) -> dict:
+        """{"prompt_logprobs": [...]} for each choice of the prompt when asked for (vLLM's field), else {}."""
+        k = self.req.prompt_logprobs
+        if k is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs(sub.prompt_ids, out.prompt_logprobs, out.prompt_ranks, k,
+                                                   self.ctx.token_text)}  # fmt: skip
+
     def _echo_offsets(self, sub: EngineRequest, echo: str) -> list[int]:
         """Where each prompt token starts in the echoed prompt. Token ids echo as they decode, special tokens kept;
         a text prompt echoes as sent, without the special tokens the tokenizer added to it (a BOS): when the ids
@@ -191,6 +199,7 @@ class _View:
         choices = []
         for i, (sub, out) in enumerate(zip(self.subs, finals, strict=True)):
             echo = self._echo(sub)
+            scored = self._prompt_logprobs(sub, out)
             for c in out.outputs:
                 choices.append({
                     "index": i * self.n + c.index,
@@ -198,6 +207,7 @@ class _View:
                     "logprobs": self._choice_logprobs(sub, out, c, self._offsets(sub), 0, len(c.token_ids), True),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    **scored,
                 })  # fmt: skip
         body = self._envelope(choices)
         body["usage"] = self._usage(sum(len(c.token_ids) for out in finals for c in out.outputs), finals)

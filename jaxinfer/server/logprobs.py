@@ -118,3 +118,29 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], num_top
         item["top_logprobs"] = [_chat_token(t, lp, token_text) for t, lp in _ranked(entry)[:num_top]]
         content.append(item)
     return {"content": content}
+
+
+def prompt_logprobs(
+    prompt_ids: list[int],
+    entries: list[dict[int, float] | None] | None,
+    ranks: list[int | None] | None,
+    num_top: int,
+    token_text: TokenText,
+) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: for each prompt token, None for the first (nothing scores it), else {token id:
+    {logprob, rank, decoded_token}} for the token itself and the `num_top` most likely ones (so num_top or
+    num_top + 1 entries). The token's rank is its place in the whole vocabulary (the engine counts it); the others'
+    their place among the most likely."""
+    entries, ranks = list(entries or []), list(ranks or [])
+    out: list[dict[str, dict] | None] = []
+    for p, tok in enumerate(prompt_ids):
+        entry = entries[p] if p < len(entries) else None
+        if entry is None:
+            out.append(None)
+            continue
+        rank = ranks[p] if p < len(ranks) else None
+        item = {str(tok): {"logprob": _finite(entry.get(tok)), "rank": rank, "decoded_token": token_text(tok)}}
+        for place, (tid, lp) in enumerate(_ranked(entry)[:num_top], start=1):
+            item.setdefault(str(tid), {"logprob": _finite(lp), "rank": place, "decoded_token": token_text(tid)})
+        out.append(item)
+    return out

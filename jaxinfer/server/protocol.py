@@ -32,7 +32,6 @@ def _defaulted_on_null(model: type[BaseModel]) -> frozenset[str]:
 # The OpenAI fields this server knows but does not implement, with the value that means "not used".
 _NOT_USED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "prompt_logprobs": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -114,8 +113,9 @@ class SamplingRequest(_Strict):
     stop_token_ids: Many[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The top alternatives of every prompt token, and its own logprob and rank (not with stream, as vLLM).
+    prompt_logprobs: int | None = None
     # Known but not implemented: see _NOT_USED.
-    prompt_logprobs: Any = None
     service_tier: Any = None
     store: Any = None
     response_format: Any = None

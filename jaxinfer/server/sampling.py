@@ -19,6 +19,8 @@ def reject_unsupported(req: SamplingRequest) -> None:
         raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM: they come whole, in the response body
+        raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
 
 
 def check_fanout(req: SamplingRequest, args: ServerArgs, renames: dict[str, str] | None = None) -> None:
@@ -104,8 +106,10 @@ def completion_params(
         max_tokens = _capped(max_tokens, defaults)
     if prompt_only(req):  # the engine runs one step (scoring the prompt); its token is dropped
         max_tokens = 1
-    # echo with logprobs also scores the echoed prompt tokens (OpenAI, vLLM): the engine's prompt logprobs.
-    prompt_logprobs = req.logprobs if req.echo else None
+    # echo with logprobs also scores the echoed prompt tokens (OpenAI, vLLM): the engine's prompt logprobs, as many
+    # top alternatives as either asks for.
+    asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(asked) if asked else None
     return build_params(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs, defaults=defaults)
 
 
@@ -126,4 +130,5 @@ def chat_params(
     if max_tokens is None:  # vLLM's chat default: the rest of the context
         max_tokens = _capped(max(1, context - prompt_len), defaults)
     logprobs = _or(req.top_logprobs, 0) if req.logprobs else None
-    return build_params(req, max_tokens, logprobs, renames, defaults=defaults), renames
+    params = build_params(req, max_tokens, logprobs, renames, prompt_logprobs=req.prompt_logprobs, defaults=defaults)
+    return params, renames

@@ -590,7 +590,8 @@ def test_async_engine_streams_and_aborts(tiny):
 # step scoring prompt tokens runs as a mixed step (the only kind with a prompt-logprobs variant).
 @pytest.mark.parametrize("length", [150, 129])
 def test_prompt_logprobs_match_the_model(smol, length):
-    """Prompt logprobs (chunked over several steps) equal log-softmax of the contiguous path's logits."""
+    """Prompt logprobs (chunked over several steps) equal log-softmax of the contiguous path's logits, and each
+    token's rank is its place among them."""
     from jaxinfer.generate import run_step
     from jaxinfer.model.attention import init_contiguous_cache
 
@@ -599,8 +600,9 @@ def test_prompt_logprobs_match_the_model(smol, length):
     assert len(prompt) == length
     out = smol.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2),
                         use_tqdm=False)[0]  # fmt: skip
-    plp = out.prompt_logprobs
+    plp, ranks = out.prompt_logprobs, out.prompt_ranks
     assert plp[0] is None and len(plp) == len(prompt)
+    assert ranks[0] is None and len(ranks) == len(prompt)
     runner = smol.engine.runner
     t = 160
     tokens = np.zeros((1, t), np.int32)
@@ -616,6 +618,11 @@ def test_prompt_logprobs_match_the_model(smol, length):
         assert plp[p][prompt[p]] == pytest.approx(float(ref[p - 1, prompt[p]]), abs=tol)
         top2 = np.argsort(-ref[p - 1])[:2]
         assert set(top2) <= set(plp[p])
+        # Ranks from the reference's logprobs: exact where no other token lies within the pool's rounding.
+        own = ref[p - 1, prompt[p]]
+        lo, hi = int(np.sum(ref[p - 1] > own + tol)) + 1, int(np.sum(ref[p - 1] >= own - tol))
+        assert lo <= ranks[p] <= hi
+    assert sorted(set(ranks[1:])) != [1]  # the prompt is not all the model's first choices: ranks are exercised
 
 
 def test_warmup_compiles_every_program_a_request_can_select(tmp_path):

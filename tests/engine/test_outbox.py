@@ -10,7 +10,7 @@ import time
 
 import zmq
 
-from jaxinfer.engine.core_process import outputs_to_wire, pack, unpack, update_from_wire
+from jaxinfer.engine.core_process import outputs_to_wire, pack, unpack, update_from_wire, update_to_wire
 from jaxinfer.engine.outbox import ResultsOutbox
 from jaxinfer.types import SeqUpdate
 
@@ -167,12 +167,15 @@ def test_merged_updates_keep_what_only_the_first_token_carries():
     from jaxinfer.types import SeqTiming
 
     timing = SeqTiming(queued_s=0.5, first_token_s=0.9, num_cached_tokens=48, prefill_chunks=[[0.5, 0.9, 16]])
-    first = SeqUpdate("r", [7], [{7: -0.1}], False, None, prompt_logprobs=[None, {3: -1.0}], timing=timing)
+    first = SeqUpdate("r", [7], [{7: -0.1}], False, None, prompt_logprobs=[None, {3: -1.0}], prompt_ranks=[None, 4],
+                      timing=timing)  # fmt: skip
     later = [SeqUpdate("r", [8 + i], [{8 + i: -0.2}], i == 2, "length" if i == 2 else None) for i in range(3)]
     out = _Outputs([first], {"n": 1})
     for u in later:
         out.add([u], {"n": 2})
     merged = out.updates["r"]
-    assert merged.timing == timing and merged.prompt_logprobs == [None, {3: -1.0}]
+    assert merged.timing == timing and merged.prompt_logprobs == [None, {3: -1.0}] and merged.prompt_ranks == [None, 4]
+    back = update_from_wire(unpack(pack(update_to_wire(merged))))  # and so they cross to the API side
+    assert back.prompt_logprobs == [None, {3: -1.0}] and back.prompt_ranks == [None, 4]
     assert (merged.new_token_ids, merged.finished, merged.finish_reason) == ([7, 8, 9, 10], True, "length")
     assert first.new_token_ids == [7] and out.stats == {"n": 2}

@@ -60,7 +60,12 @@ CASES = [
     ("unknown stream option", C, _completion(stream=True, stream_options={"x": 1}), 400, "stream_options.x"),
     ("best_of", C, _completion(best_of=3), 400, "best_of"),
     ("suffix", C, _completion(suffix="end"), 400, "suffix"),
-    ("prompt_logprobs", C, _completion(prompt_logprobs=1), 400, "prompt_logprobs"),
+    # prompt_logprobs are served (tests/server/test_prompt_logprobs.py), but not in a stream (as vLLM).
+    ("prompt_logprobs with stream", C, _completion(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
+    ("chat: prompt_logprobs with stream", CHAT, _chat(prompt_logprobs=0, stream=True), 400, "prompt_logprobs"),
+    ("prompt_logprobs over max", C, _completion(prompt_logprobs=21), 400, "prompt_logprobs"),
+    ("prompt_logprobs negative", C, _completion(prompt_logprobs=-1), 400, "prompt_logprobs"),
+    ("prompt_logprobs as bool", CHAT, _chat(prompt_logprobs=True), 400, "prompt_logprobs"),
     # echo with logprobs is served (tests/server/test_echo_logprobs.py); over the maximum it is still a 400.
     ("echo with logprobs over max", C, _completion(echo=True, logprobs=21), 400, "logprobs"),
     ("chat: no messages", CHAT, _chat(messages=[]), 400, "messages"),
@@ -152,7 +157,7 @@ def _check_error(r, status: int, param: str | None) -> dict:
 def test_bad_request(http, name, path, body, status, param):
     r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     err = _check_error(r, status, param)
-    if name in ("best_of", "suffix", "prompt_logprobs", "chat: tools", "chat: json mode", "chat: image part",
+    if name in ("best_of", "suffix", "chat: tools", "chat: json mode", "chat: image part",
                 "chat: tool calls in history", "chat: a tool's result", "chat: a refusal part"):  # fmt: skip
         assert "not supported" in err["message"]
     if "negative" in name:  # the bound is the server's max_logprobs, not the int32 range it was said as

@@ -1,5 +1,6 @@
 """/v1/completions with echo and logprobs (OpenAI's legacy completions, as vLLM serves them): the choice's logprobs
-cover the echoed prompt tokens first (the first one unscored: None), then the completion's, streaming or not.
+cover the echoed prompt tokens first (the first one unscored: None), then the completion's, streaming or not. And
+vLLM's `prompt_logprobs` (completions and chat): each prompt token's logprob and rank, with its top alternatives.
 
 In-process app (starlette's TestClient) on a tiny random-weight model, checked against `LLM` on the same engine
 (run before the server takes the engine over) and a plain forward pass of the model.
@@ -40,7 +41,7 @@ def _forward_logprobs(runner, prompt: list[int]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(TestClient, tokenizer, LLM reference outputs for BODY, forward-pass logprobs per prompt)."""
+    """(TestClient, tokenizer, LLM reference outputs for BODY, forward-pass logprobs per prompt, the runner)."""
     from starlette.testclient import TestClient
 
     from jaxinfer import LLM
@@ -60,7 +61,7 @@ def served(tmp_path_factory):
             while client.get("/health").status_code != 200:
                 assert time.monotonic() < deadline, client.get("/health").text
                 time.sleep(0.05)
-            yield client, llm.tokenizer, refs, forward
+            yield client, llm.tokenizer, refs, forward, llm.engine.runner
     finally:
         llm.close()
 
@@ -118,7 +119,7 @@ def _check_prompt_part(lp: dict, tokenizer, ids: list[int], ref_lps: list, forwa
 
 
 def test_echo_logprobs(served):
-    client, tokenizer, refs, forward = served
+    client, tokenizer, refs, forward, _ = served
     r = client.post("/v1/completions", json=BODY)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -157,7 +158,7 @@ def test_echo_logprobs(served):
 
 
 def test_stream_equals_non_stream(served):
-    client, tokenizer, refs, _ = served
+    client, tokenizer, refs, _, _ = served
     full = client.post("/v1/completions", json=BODY).json()
     chunks = _stream(client, BODY)
     joined = _joined(chunks)
@@ -182,7 +183,7 @@ def test_stream_equals_non_stream(served):
 
 
 def test_n_samples_each_echo_the_scored_prompt(served):
-    client, tokenizer, refs, forward = served
+    client, tokenizer, refs, forward, _ = served
     ids = refs[1].prompt_token_ids
     body = {
         "prompt": ids,
@@ -209,6 +210,59 @@ def test_n_samples_each_echo_the_scored_prompt(served):
         assert prompt_parts[0] == prompt_parts[1]
 
 
+def _check_prompt_logprobs(scored: list, tokenizer, ids: list[int], forward: np.ndarray, k: int) -> None:
+    """vLLM's prompt_logprobs for `ids` against the forward pass: {id: {logprob, rank, decoded_token}} per token."""
+    assert len(scored) == len(ids) and scored[0] is None
+    for p in range(1, len(ids)):
+        entry, row = scored[p], forward[p - 1]
+        own = entry[str(ids[p])]
+        assert own["logprob"] == pytest.approx(float(row[ids[p]]), abs=1e-4)
+        assert own["decoded_token"] == _text(tokenizer, ids[p])
+        # Its rank in the whole vocabulary: tokens within the tolerance of its logprob may fall either side.
+        v = row[ids[p]]
+        assert int(np.sum(row > v + 1e-4)) + 1 <= own["rank"] <= int(np.sum(row >= v - 1e-4))
+        best = [int(t) for t in np.argsort(-row)[:k]]
+        assert set(entry) == {str(t) for t in best} | {str(ids[p])}
+        for place, t in enumerate(best, start=1):
+            assert entry[str(t)]["logprob"] == pytest.approx(float(row[t]), abs=1e-4)
+            assert entry[str(t)]["decoded_token"] == _text(tokenizer, t)
+            if t != ids[p]:
+                assert entry[str(t)]["rank"] == place
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompt_logprobs(served, k):
+    """vLLM's prompt_logprobs: on each completions choice (both samples of a prompt alike), on a chat response, and
+    beside echo's logprobs, each with its own number of alternatives."""
+    client, tokenizer, refs, forward, runner = served
+    body = {"prompt": PROMPTS, "max_tokens": 2, "n": 2, "seed": 0, "prompt_logprobs": k}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c in choices:
+        i = c["index"] // 2
+        _check_prompt_logprobs(c["prompt_logprobs"], tokenizer, refs[i].prompt_token_ids, forward[i], k)
+        assert c["logprobs"] is None
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    # Not asked for: not there.
+    assert "prompt_logprobs" not in client.post("/v1/completions", json={**body, "prompt_logprobs": None}).json()[
+        "choices"][0]  # fmt: skip
+
+    # echo with logprobs 1 beside prompt_logprobs: each shows as many alternatives as it asked for.
+    echoed = client.post("/v1/completions", json={**BODY, "prompt": PROMPTS[0], "logprobs": 1, "prompt_logprobs": k})
+    choice = echoed.json()["choices"][0]
+    _check_prompt_logprobs(choice["prompt_logprobs"], tokenizer, refs[0].prompt_token_ids, forward[0], k)
+    assert all(len(t) in (1, 2) for t in choice["logprobs"]["top_logprobs"][1 : len(refs[0].prompt_token_ids)])
+
+    # Chat: on the response, over the templated prompt's tokens.
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "prompt_logprobs": k})
+    assert chat.status_code == 200, chat.text
+    ids = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    _check_prompt_logprobs(chat.json()["prompt_logprobs"], tokenizer, ids, _forward_logprobs(runner, ids), k)
+
+
 def test_params_and_limits(served):
     from jaxinfer.server.protocol import CompletionRequest
     from jaxinfer.server.sampling import completion_params
@@ -216,11 +270,16 @@ def test_params_and_limits(served):
     def params(**kw) -> SamplingParams:
         return completion_params(CompletionRequest(prompt="x", **kw), 1, 128)
 
-    # Prompt logprobs are asked of the engine only for echo with logprobs: they cost a full prefill.
+    # Prompt logprobs are asked of the engine only for echo with logprobs, or prompt_logprobs: they cost a full
+    # prefill.
     assert params(echo=True, logprobs=2).prompt_logprobs == 2
     assert params(echo=True, logprobs=0).prompt_logprobs == 0
     assert params(logprobs=2).prompt_logprobs is None
     assert params(echo=True).prompt_logprobs is None
+    # prompt_logprobs asks for them itself; beside echo's, the engine computes the larger number of alternatives.
+    assert params(prompt_logprobs=1).prompt_logprobs == 1
+    assert params(echo=True, logprobs=1, prompt_logprobs=3).prompt_logprobs == 3
+    assert params(echo=True, logprobs=4, prompt_logprobs=0).prompt_logprobs == 4
     client = served[0]
     # max_tokens 0 with echo is vLLM's "score the prompt only" (tests/server/test_never_down.py checks the scores);
     # without echo it is a 400, as every max_tokens below 1 is.
