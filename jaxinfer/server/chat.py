@@ -16,7 +16,7 @@ from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
-from jaxinfer.server.logprobs import chat_logprobs, prompt_logprobs
+from jaxinfer.server.logprobs import TokenIds, chat_logprobs, prompt_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage, template_kwargs
 from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
@@ -131,7 +131,8 @@ class _View:
     def _logprobs(self, token_ids, entries) -> dict | None:
         if not self.req.logprobs:
             return None
-        return chat_logprobs(token_ids, entries or [], self.req.top_logprobs or 0, self.ctx.token_text)
+        token_text = TokenIds() if self.req.return_tokens_as_token_ids else self.ctx.token_text
+        return chat_logprobs(token_ids, entries or [], self.req.top_logprobs or 0, token_text)
 
     def _usage(self, completion_tokens: int, out: RequestOutput | None) -> dict:
         return usage([self.sub], completion_tokens, [out])

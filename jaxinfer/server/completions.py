@@ -15,7 +15,7 @@ from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id, session_id
 from jaxinfer.server.errors import APIError, bad_request, from_value_error
 from jaxinfer.server.generation import EngineRequest, final_output, run_request, usage
-from jaxinfer.server.logprobs import TextOffsets, completion_logprobs, join_logprobs, prompt_logprobs
+from jaxinfer.server.logprobs import TextOffsets, TokenIds, completion_logprobs, join_logprobs, prompt_logprobs
 from jaxinfer.server.protocol import CompletionRequest
 from jaxinfer.server.sampling import check_fanout, completion_params, prompt_only, reject_unsupported
 from jaxinfer.server.streaming import (
@@ -121,6 +121,7 @@ class _View:
         self.ctx, self.req, self.subs, self.rid, self.model = ctx, req, subs, rid, model
         self.created = int(time.time())
         self.n = req.n
+        self.token_text = TokenIds() if req.return_tokens_as_token_ids else ctx.token_text  # logprobs' tokens
 
     def _echo(self, sub: EngineRequest) -> str:
         if not self.req.echo:
@@ -161,13 +162,13 @@ class _View:
         offsets.extend(c.token_ids)
         at = offsets.clamped(start, stop, len(c.text), len(echo))
         entries = (c.logprobs or [])[start:stop]
-        gen = completion_logprobs(c.token_ids[start:stop], entries, self.req.logprobs, self.ctx.token_text, at)
+        gen = completion_logprobs(c.token_ids[start:stop], entries, self.req.logprobs, self.token_text, at)
         if not (echoed and self._scores_prompt):
             return gen
         ids = sub.prompt_ids
         scored = list(out.prompt_logprobs or [])[: len(ids)]
         scored += [None] * (len(ids) - len(scored))  # never short in practice; an unscored token shows None
-        prompt = completion_logprobs(ids, scored, self.req.logprobs, self.ctx.token_text, self._echo_offsets(sub, echo))
+        prompt = completion_logprobs(ids, scored, self.req.logprobs, self.token_text, self._echo_offsets(sub, echo))
         return join_logprobs(prompt, gen)
 
     def _prompt_logprobs(self, sub: EngineRequest, out: RequestOutput) -> dict:

@@ -31,6 +31,17 @@ class TokenText:
         return list(self._tokenizer.token_bytes(token_id))
 
 
+class TokenIds:
+    """vLLM's return_tokens_as_token_ids: a token shown as "token_id:N" (a client then knows the ids of the tokens
+    that are not whole characters, whose texts are lossy), in TokenText's place; its `bytes` are that text's."""
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self(token_id).encode())
+
+
 class TextOffsets:
     """Where each generated token's text starts in the text of its output: legacy completions' text_offset.
 
@@ -68,7 +79,7 @@ def completion_logprobs(
     token_ids: list[int],
     entries: list[dict[int, float] | None],
     num_top: int,
-    token_text: TokenText,
+    token_text: TokenText | TokenIds,
     text_offsets: list[int],
 ) -> dict:
     """{tokens, token_logprobs, top_logprobs, text_offset}, the offsets as given (`TextOffsets`).
@@ -104,13 +115,15 @@ def _finite(logprob: float | None) -> float:
     return logprob if logprob is not None and math.isfinite(logprob) else _FLOOR
 
 
-def _chat_token(token_id: int, logprob: float | None, token_text: TokenText) -> dict:
+def _chat_token(token_id: int, logprob: float | None, token_text: TokenText | TokenIds) -> dict:
     # `token` is the token decoded alone (lossy for part of a character), `bytes` its real bytes: OpenAI's field is
     # there so that a client can join the bytes of the tokens that share a character and decode them.
     return {"token": token_text(token_id), "logprob": _finite(logprob), "bytes": token_text.token_bytes(token_id)}
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], num_top: int, token_text: TokenText) -> dict:
+def chat_logprobs(
+    token_ids: list[int], entries: list[dict[int, float]], num_top: int, token_text: TokenText | TokenIds
+) -> dict:
     """{"content": [{token, logprob, bytes, top_logprobs: [the num_top most likely, best first]}]}."""
     content = []
     for tok, entry in zip(token_ids, entries, strict=True):

@@ -115,6 +115,7 @@ class SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     # The top alternatives of every prompt token, and its own logprob and rank (not with stream, as vLLM).
     prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N" (vLLM's)
     # Known but not implemented: see _NOT_USED.
     service_tier: Any = None
     store: Any = None

@@ -263,6 +263,34 @@ def test_prompt_logprobs(served, k):
     _check_prompt_logprobs(chat.json()["prompt_logprobs"], tokenizer, ids, _forward_logprobs(runner, ids), k)
 
 
+def test_tokens_as_token_ids(served):
+    """vLLM's return_tokens_as_token_ids: logprobs' tokens (and their alternatives) as "token_id:N", the same
+    logprobs and text offsets otherwise; in chat, `bytes` are that text's."""
+    client, tokenizer, refs, _, _ = served
+    body = {**BODY, "prompt": PROMPTS[0], "logprobs": 2}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    ids = client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    lp = ids["logprobs"]
+    want = refs[0].prompt_token_ids + refs[0].outputs[0].token_ids
+    assert lp["tokens"] == [f"token_id:{t}" for t in want]
+    assert lp["token_logprobs"] == plain["token_logprobs"] and lp["text_offset"] == plain["text_offset"]
+    for mine, theirs in zip(lp["top_logprobs"][1:], plain["top_logprobs"][1:], strict=True):
+        assert sorted(mine.values()) == sorted(theirs.values())
+        assert {tokenizer.decode([int(k.split(":")[1])], skip_special_tokens=False) for k in mine} == set(theirs)
+
+    chat = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    plain = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    got = client.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": True}).json()
+    content = got["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(plain) == 4
+    for mine, theirs in zip(content, plain, strict=True):
+        tid = int(mine["token"].removeprefix("token_id:"))
+        assert bytes(theirs["bytes"]) == tokenizer.token_bytes(tid) and mine["logprob"] == theirs["logprob"]
+        assert mine["bytes"] == list(mine["token"].encode())
+        assert [t["token"].startswith("token_id:") for t in mine["top_logprobs"]] == [True, True]
+
+
 def test_params_and_limits(served):
     from jaxinfer.server.protocol import CompletionRequest
     from jaxinfer.server.sampling import completion_params
