@@ -14,7 +14,8 @@ and `topk_cap` are static. The host picks the variant per step (`needs_advanced`
 
 Processing order, as vLLM v1 does it (vllm/v1/sample/sampler.py and the GPU model runner's sampler):
     1. logprobs are taken from the raw model logits (vLLM's default logprobs_mode="raw_logprobs");
-    2. logit bias is added (min_tokens arrives here as -inf bias on the stop ids);
+    2. logit bias is added (min_tokens arrives here as -inf bias on the stop ids; allowed_token_ids as entries of
+       0, every other token of such a row then -inf);
     3. penalties: repetition over prompt + output tokens, then frequency and presence over output tokens only;
     4. greedy rows (temperature < 1e-5) take the argmax of these processed logits;
     5. temperature;
@@ -71,6 +72,8 @@ class SamplingTensors:
     bias_values: jax.Array  # f32[S, B]
     # bool[S] rows that asked for logprobs; None (e.g. in tests): always compute them when num_logprobs is set
     want_logprobs: jax.Array | None = None
+    # bool[S] rows that may sample only the tokens of their bias entries (allowed_token_ids); None: no such row
+    only_biased: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -103,6 +106,7 @@ class RowSampling:
     output_ids: list[int] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False  # whether this row needs logprobs
+    only_biased: bool = False  # only the tokens of logit_bias may be sampled (allowed_token_ids, as entries of 0)
 
     @property
     def has_penalties(self) -> bool:
@@ -115,7 +119,7 @@ class RowSampling:
 
     @property
     def advanced(self) -> bool:
-        return self.has_penalties or bool(self.logit_bias) or self.truncates or self.logprobs
+        return self.has_penalties or bool(self.logit_bias) or self.truncates or self.logprobs or self.only_biased
 
 
 def needs_advanced(rows: list[RowSampling]) -> bool:
@@ -176,9 +180,10 @@ def build_sampling_tensors(
             bias_values[i, : len(ids)] = vals
     want = np.zeros(num_rows, bool)
     want[: len(rows)] = [r.logprobs for r in rows]
-    return SamplingTensors(
-        temp, top_k, top_p, min_p, seeds, counter, rep, pres, freq, history, prompt_lens, bias_ids, bias_values, want
-    )
+    only = np.zeros(num_rows, bool)
+    only[: len(rows)] = [r.only_biased for r in rows]
+    return SamplingTensors(temp, top_k, top_p, min_p, seeds, counter, rep, pres, freq, history, prompt_lens, bias_ids,
+                           bias_values, want, only)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- device side
@@ -270,9 +275,19 @@ def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     # Out-of-vocab ids (and the -1 padding) point past the vocab and are dropped by the scatter.
     bias_ids = jnp.where((st.bias_ids >= 0) & (st.bias_ids < vocab), st.bias_ids, vocab)  # i32[S, B]
     x = x.at[rows, bias_ids].add(st.bias_values, mode="drop")
+    if st.only_biased is not None:  # allowed_token_ids: every token without a bias entry is out
+        x = lax.cond(jnp.any(st.only_biased), _keep_biased, lambda x, st: x, x, st)
     active = (st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0) | (st.frequency_penalty != 0.0)
     # The scatters below build two [S, V] arrays: skip them when no row has a penalty.
     return lax.cond(jnp.any(active), _apply_penalties, lambda x, st: x, x, st)
+
+
+def _keep_biased(x: jax.Array, st: SamplingTensors) -> jax.Array:
+    """x f32[S, V] -> f32[S, V]: -inf outside the bias entries in the rows marked only_biased."""
+    num_rows, vocab = x.shape
+    ids = jnp.where((st.bias_ids >= 0) & (st.bias_ids < vocab), st.bias_ids, vocab)
+    listed = jnp.zeros(x.shape, bool).at[jnp.arange(num_rows)[:, None], ids].set(True, mode="drop")
+    return jnp.where(st.only_biased[:, None] & ~listed, _NEG_INF, x)
 
 
 def _apply_penalties(x: jax.Array, st: SamplingTensors) -> jax.Array:

@@ -67,6 +67,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's); None: any token
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -83,8 +84,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name in _NUMBERS:
             object.__setattr__(self, name, _python_number(getattr(self, name)))
-        if hasattr(self.stop_token_ids, "tolist") and not isinstance(self.stop_token_ids, list | tuple):
-            object.__setattr__(self, "stop_token_ids", self.stop_token_ids.tolist())  # a numpy array of ids
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if hasattr(ids, "tolist") and not isinstance(ids, list | tuple):
+                object.__setattr__(self, name, ids.tolist())  # a numpy array of ids
 
         def is_int(x: object) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
@@ -142,6 +145,14 @@ class SamplingParams:
         _check(all(is_int(t) and 0 <= t <= INT32_MAX for t in ids), "stop_token_ids",
                "must be token ids (non-negative integers)")  # fmt: skip
         object.__setattr__(self, "stop_token_ids", ids)
+        if self.allowed_token_ids is not None:  # the upper bound is the vocabulary (Engine.validate)
+            allowed = self.allowed_token_ids
+            _check(isinstance(allowed, list | tuple) and len(allowed) > 0, "allowed_token_ids",
+                   f"must be a non-empty list of token ids, got {allowed!r}")  # fmt: skip
+            allowed = tuple(_python_number(t) for t in allowed)
+            _check(all(is_int(t) and 0 <= t <= INT32_MAX for t in allowed), "allowed_token_ids",
+                   "must be token ids (non-negative integers)")  # fmt: skip
+            object.__setattr__(self, "allowed_token_ids", allowed)
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
             bias = {}

@@ -578,6 +578,36 @@ def test_prompt_logprobs_of_bfloat16_logits_are_computed_in_float32(vocab):
     assert lp.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("allowed", [(4,), (0, 6, 9), (2, 11, 3, 5)])
+def test_only_biased_rows_sample_only_their_allowed_tokens(allowed, temperature):
+    """allowed_token_ids (bias entries of 0 on an only_biased row): the draw follows the reference's distribution
+    over the allowed tokens alone, greedy takes the best of them, a -inf entry among them stays out, and a row
+    beside it without the flag is untouched."""
+    n = 4000 if temperature else 4
+    masked = np.full_like(LOGITS12, -np.inf)
+    masked[list(allowed)] = LOGITS12[list(allowed)]
+    rows = [RowSampling(seed=i, temperature=temperature, logit_bias=dict.fromkeys(allowed, 0.0), only_biased=True)
+            for i in range(n)]  # fmt: skip
+    got = _tokens(np.tile(LOGITS12, (n, 1)), rows)
+    if temperature == 0:
+        assert set(got) == {allowed[int(np.argmax(LOGITS12[list(allowed)]))]}
+    else:
+        probs = ref_probs(masked, temperature)
+        counts = np.bincount(got, minlength=len(LOGITS12))
+        assert set(np.flatnonzero(counts)) <= set(allowed)
+        for t in allowed:  # 5 sigma of a binomial
+            assert abs(counts[t] - n * probs[t]) <= 5 * np.sqrt(n * probs[t] * (1 - probs[t])) + 1, (t, counts, probs)
+    if len(allowed) > 1:  # the best allowed token banned (min_tokens' -inf on a stop id): the next best
+        best = allowed[int(np.argmax(LOGITS12[list(allowed)]))]
+        bias = {**dict.fromkeys(allowed, 0.0), best: float("-inf")}
+        banned = _tokens(np.tile(LOGITS12, (4, 1)), [replace(r, logit_bias=bias) for r in rows[:4]])
+        assert best not in set(banned) and set(banned) <= set(allowed)
+    plain = RowSampling(seed=0, temperature=temperature, logit_bias={1: -5.0})
+    both = _tokens(np.tile(LOGITS12, (2, 1)), [rows[0], plain])
+    assert both[1] == _tokens(LOGITS12[None], [plain])[0] and both[0] in allowed
+
+
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 17), (6, 257), (4, 49152)])
 def test_target_ranks_count_the_tokens_ahead(rows, vocab):
     """A token's rank (prompt_logprobs' `rank`): 1 + the tokens more likely than it, the tokens tied with it counted

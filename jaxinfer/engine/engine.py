@@ -268,15 +268,23 @@ class Engine:
             raise ValueError(
                 f"prompt_logprobs: at most {self.cc.max_logprobs} are supported, got {params.prompt_logprobs}"
             )
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        allowed = params.allowed_token_ids or ()
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", allowed)):  # fmt: skip
             if any(not 0 <= t < self.cfg.vocab_size for t in ids):
                 raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size})")
-        # Until min_tokens, the row's bias also bans the stop ids (`_row`): those share the capacity.
+        # Until min_tokens, the row's bias also bans the stop ids (`_row`), and allowed_token_ids are bias entries
+        # too: they share the capacity.
         banned = set(min_tokens_banned(params, self.eos_token_ids)) if params.min_tokens > 0 else set()
-        bias = len(set(params.logit_bias or {}) | banned)
+        if allowed and set(allowed) <= banned:
+            raise ValueError("allowed_token_ids: every allowed token is a stop or EOS id, which min_tokens bans until "
+                             "then: no token could be sampled")  # fmt: skip
+        biased = set(allowed) if allowed else set(params.logit_bias or {})
+        bias = len(biased | banned)
         if bias > self.cc.logit_bias_capacity:
+            name = "allowed_token_ids" if allowed else "logit_bias"
             also = f" ({len(banned)} of them the stop and EOS ids that min_tokens bans)" if banned else ""
-            raise ValueError(f"logit_bias: at most {self.cc.logit_bias_capacity} entries are supported, got {bias}"
+            raise ValueError(f"{name}: at most {self.cc.logit_bias_capacity} entries are supported, got {bias}"
                              f"{also}")  # fmt: skip
         return prompt
 
@@ -392,6 +400,8 @@ class Engine:
     def _row(self, req: Request) -> RowSampling:
         p = req.params
         bias = dict(p.logit_bias or {})
+        if p.allowed_token_ids:  # the allowed tokens as bias entries (their logit_bias, else 0); the rest are out
+            bias = {t: bias.get(t, 0.0) for t in p.allowed_token_ids}
         if len(req.output_token_ids) < p.min_tokens:  # min_tokens: the stop ids are banned until then
             bias.update({t: float("-inf") for t in min_tokens_banned(p, self.eos_token_ids)})
         return RowSampling(
@@ -401,7 +411,7 @@ class Engine:
             counter=len(req.output_token_ids), repetition_penalty=p.repetition_penalty,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids, logit_bias=bias,
-            logprobs=p.logprobs is not None,
+            logprobs=p.logprobs is not None, only_biased=bool(p.allowed_token_ids),
         )  # fmt: skip
 
     def _stop(self, req: Request, token: int, count: int) -> tuple[str | None, int | None]:

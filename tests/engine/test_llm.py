@@ -625,6 +625,47 @@ def test_prompt_logprobs_match_the_model(smol, length):
     assert sorted(set(ranks[1:])) != [1]  # the prompt is not all the model's first choices: ranks are exercised
 
 
+def test_allowed_token_ids_restrict_every_sampled_token(smol):
+    """allowed_token_ids (vLLM's): greedy takes, at each step, the best allowed token under the model's own logits
+    (the contiguous path's), sampling never leaves the set, and a request beside it without them is unchanged."""
+    from jaxinfer.generate import run_step
+    from jaxinfer.model.attention import init_contiguous_cache
+
+    prompt = smol.tokenizer.encode("The weather today is")
+    allowed = smol.tokenizer.encode(" sunny rainy cold warm nice bad")
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, allowed_token_ids=allowed, ignore_eos=True)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = smol.generate([{"prompt_token_ids": prompt}] * 2, [greedy, plain], use_tqdm=False)
+    got = outs[0].outputs[0].token_ids
+    assert outs[1].outputs[0].token_ids == smol.generate({"prompt_token_ids": prompt}, plain, use_tqdm=False)[
+        0].outputs[0].token_ids  # fmt: skip
+    runner = smol.engine.runner
+    ids = prompt + got
+    t = len(ids)
+    pos = np.arange(t, dtype=np.int32)[None]
+    lg, _ = run_step(runner.family_params(), runner.cfg, np.asarray([ids], np.int32), pos, pos < t,
+                     init_contiguous_cache(runner.cfg, 1, t), all_logits=True)  # fmt: skip
+    assert got != outs[1].outputs[0].token_ids  # the model's own choices lie outside the set
+    checked = 0
+    for i, tok in enumerate(got):
+        row = np.asarray(lg[0, len(prompt) - 1 + i])[allowed]
+        best, second = np.sort(row)[::-1][:2]
+        if best - second > 1e-2:  # beyond the float16 pool's rounding
+            assert tok == allowed[int(np.argmax(row))], (i, tok)
+            checked += 1
+    assert checked >= 4
+    sampled = smol.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=1.5, n=6, seed=0,
+                            allowed_token_ids=allowed, ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
+    tokens = {t for c in sampled.outputs for t in c.token_ids}
+    assert tokens <= set(allowed) and len(tokens) > 1
+    with pytest.raises(ValueError, match="allowed_token_ids: token ids must be in"):
+        smol.generate("x", SamplingParams(allowed_token_ids=[smol.engine.cfg.vocab_size]), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids: every allowed token is a stop or EOS id"):
+        smol.generate("x", SamplingParams(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_warmup_compiles_every_program_a_request_can_select(tmp_path):
     """LLM(warmup=True) compiles up front what the server's warm-up does, prompt logprobs' programs included: a
     request asking for them compiled mid-run."""

@@ -66,6 +66,9 @@ CASES = [
     ("prompt_logprobs over max", C, _completion(prompt_logprobs=21), 400, "prompt_logprobs"),
     ("prompt_logprobs negative", C, _completion(prompt_logprobs=-1), 400, "prompt_logprobs"),
     ("prompt_logprobs as bool", CHAT, _chat(prompt_logprobs=True), 400, "prompt_logprobs"),
+    ("allowed_token_ids empty", C, _completion(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("allowed_token_ids out of vocab", CHAT, _chat(allowed_token_ids=[1, 10_000_000]), 400, "allowed_token_ids"),
+    ("allowed_token_ids as strings", C, _completion(allowed_token_ids=["a"]), 400, "allowed_token_ids.0"),
     # echo with logprobs is served (tests/server/test_echo_logprobs.py); over the maximum it is still a 400.
     ("echo with logprobs over max", C, _completion(echo=True, logprobs=21), 400, "logprobs"),
     ("chat: no messages", CHAT, _chat(messages=[]), 400, "messages"),

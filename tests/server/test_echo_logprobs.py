@@ -291,6 +291,22 @@ def test_tokens_as_token_ids(served):
         assert [t["token"].startswith("token_id:") for t in mine["top_logprobs"]] == [True, True]
 
 
+def test_allowed_token_ids(served):
+    """allowed_token_ids restrict what completions and chat sample (read back as ids: return_tokens_as_token_ids)."""
+    client, tokenizer, refs, _, _ = served
+    allowed = sorted(set(refs[0].prompt_token_ids))[:3]
+    body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "allowed_token_ids": allowed}  # fmt: skip
+    got = set()
+    for c in client.post("/v1/completions", json=body).json()["choices"]:
+        got |= {int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]}
+    chat = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 6, "temperature": 1.0, "seed": 3,
+            "logprobs": True, "return_tokens_as_token_ids": True, "allowed_token_ids": allowed}  # fmt: skip
+    r = client.post("/v1/chat/completions", json=chat)
+    got |= {int(t["token"].removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["content"]}
+    assert got <= set(allowed) and len(got) > 1
+
+
 def test_params_and_limits(served):
     from jaxinfer.server.protocol import CompletionRequest
     from jaxinfer.server.sampling import completion_params
