@@ -7,8 +7,10 @@ field errors each get their own clear message (FastAPI would answer 422 in its o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -25,22 +27,54 @@ BODY_TIMEOUT_S = 30.0
 _DRAIN_FACTOR = 16
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+class BodyReads:
+    """The request bodies being read, so that the end of a drain ends them too: each then answers 503
+    shutting_down in OpenAI's shape while uvicorn still waits for responses. Cancelled by uvicorn after its grace
+    period instead, such a handler's client got uvicorn's plain-text 500. Event-loop side only."""
+
+    def __init__(self) -> None:
+        self._reading: set[asyncio.Timeout] = set()
+        self.ended = False
+
+    def end(self) -> None:
+        """The drain is over: every body still being read (and any read after this) stops now."""
+        self.ended = True
+        now = asyncio.get_running_loop().time()
+        for timeout in self._reading:
+            timeout.reschedule(now)
+
+    @contextlib.asynccontextmanager
+    async def reading(self, seconds: float) -> AsyncIterator[asyncio.Timeout]:
+        async with asyncio.timeout(seconds) as timeout:
+            if self.ended:
+                timeout.reschedule(asyncio.get_running_loop().time())
+            self._reading.add(timeout)
+            try:
+                yield timeout
+            finally:
+                self._reading.discard(timeout)
+
+
+async def read_body(request: Request, limit: int, reads: BodyReads | None = None) -> bytes:
     too_large = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit * _DRAIN_FACTOR:
         raise too_large
     chunks: list[bytes] = []
     size = 0
+    reads = reads if reads is not None else BodyReads()
     try:
-        async with asyncio.timeout(BODY_TIMEOUT_S):
+        async with reads.reading(BODY_TIMEOUT_S):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit * _DRAIN_FACTOR:
                     break
                 if size <= limit:
                     chunks.append(chunk)
-    except TimeoutError:  # a body sent a few bytes at a time (slowloris) holds its memory and connection no longer
+    except TimeoutError:
+        if reads.ended:
+            raise APIError(503, "the server shut down before the request body arrived", code="shutting_down") from None
+        # A body sent a few bytes at a time (slowloris) holds its memory and connection no longer.
         raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g}s",
                        code="request_timeout") from None  # fmt: skip
     except ClientDisconnect:  # gone mid-body: nginx's 499 in the access log and metrics, not a server error
@@ -151,9 +185,11 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise validation_error(e) from None
 
 
-async def parse_request(request: Request, model: type[M], limit: int, off_loop=None) -> M:
-    """The body as `model`; with `off_loop` (ServingContext.off_loop) JSON and model validation run on a thread."""
-    raw = await read_body(request, limit)
+async def parse_request(request: Request, model: type[M], limit: int, off_loop=None,
+                        reads: BodyReads | None = None) -> M:  # fmt: skip
+    """The body as `model`; with `off_loop` (ServingContext.off_loop) JSON and model validation run on a thread.
+    `reads`: the server's (ServerState.body_reads), which a drain's end stops."""
+    raw = await read_body(request, limit, reads)
     if off_loop is None:
         return parse_body(raw, model)
     return await off_loop(parse_body, raw, model)

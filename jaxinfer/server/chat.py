@@ -100,7 +100,9 @@ def _engine_request(
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
-    req = await parse_request(request, ChatCompletionRequest, ctx.args.max_body_bytes, ctx.off_loop)
+    req = await parse_request(
+        request, ChatCompletionRequest, ctx.args.max_body_bytes, ctx.off_loop, ctx.state.body_reads
+    )
     engine = ctx.state.require_ready()
     model = ctx.model_name(req.model)
     reject_unsupported(req)

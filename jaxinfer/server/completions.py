@@ -91,7 +91,7 @@ def _engine_requests(
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
-    req = await parse_request(request, CompletionRequest, ctx.args.max_body_bytes, ctx.off_loop)
+    req = await parse_request(request, CompletionRequest, ctx.args.max_body_bytes, ctx.off_loop, ctx.state.body_reads)
     engine = ctx.state.require_ready()
     model = ctx.model_name(req.model)
     reject_unsupported(req)

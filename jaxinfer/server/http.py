@@ -104,6 +104,7 @@ class DrainingServer(uvicorn.Server):
                 # grace period; cancelled by uvicorn after it, they would get its plain-text 500.
                 if self.state.engine is not None:
                     self.state.engine.end_all(f"--graceful-shutdown-timeout ({self.drain_timeout:g}s) passed")
+                self.state.body_reads.end()  # and those still reading their bodies answer 503 too
                 self.should_exit = True
         return await super().on_tick(counter)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxinfer.errors import user_errors
 from jaxinfer.server.args import ServerArgs
+from jaxinfer.server.body import BodyReads
 from jaxinfer.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class ServerState:
         self.max_logprobs = args.max_logprobs
         self.in_flight = 0  # engine requests admitted and not finished
         self.waiting = 0  # sequences (prompts x n) without a first token yet (the --max-waiting bound)
+        self.body_reads = BodyReads()  # request bodies arriving: the end of a drain stops them (503)
         self.on_fatal: Callable[[], None] | None = None  # set by the runner: stop serving when loading fails
         # Set by the runner: the engine process died after start-up (called from a reader thread; flags only).
         self.on_engine_dead: Callable[[], None] | None = None

@@ -15,7 +15,7 @@ from jaxinfer.server.protocol import DetokenizeRequest, TokenizeRequest, templat
 
 
 async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
-    req = await parse_request(request, TokenizeRequest, ctx.args.max_body_bytes, ctx.off_loop)
+    req = await parse_request(request, TokenizeRequest, ctx.args.max_body_bytes, ctx.off_loop, ctx.state.body_reads)
     ctx.state.require_ready()
     ctx.model_name(req.model)
     return await ctx.json_response(lambda: _tokenize(ctx, req))  # templates, tokenization, JSON: off the event loop
@@ -43,7 +43,7 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
 
 
 async def detokenize(ctx: ServingContext, request: Request) -> JSONResponse:
-    req = await parse_request(request, DetokenizeRequest, ctx.args.max_body_bytes, ctx.off_loop)
+    req = await parse_request(request, DetokenizeRequest, ctx.args.max_body_bytes, ctx.off_loop, ctx.state.body_reads)
     ctx.state.require_ready()
     ctx.model_name(req.model)
     vocab = ctx.tokenizer.vocab_size

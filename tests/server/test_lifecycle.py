@@ -244,6 +244,36 @@ def test_drain_timeout_aborts_what_is_left(make_server):
     assert srv.state.in_flight == 0
 
 
+def test_a_body_still_arriving_when_the_drain_ends_gets_a_503(make_server):
+    """A client sending its body slowly when --graceful-shutdown-timeout passes: 503 shutting_down in OpenAI's shape,
+    not the plain-text 500 of a handler uvicorn cancelled after its grace period."""
+    import json
+    import socket
+
+    srv = make_server(graceful_shutdown_timeout=0.5)
+    srv.wait_ready()
+    body = json.dumps(BODY).encode()
+    with socket.create_connection(("127.0.0.1", srv.args.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:5]))  # fmt: skip
+        deadline = time.monotonic() + 10
+        while not srv.server.server_state.tasks:  # its handler is reading the body
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        srv.server.handle_exit(signal.SIGTERM, None)
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), reply
+    assert json.loads(payload)["error"]["code"] == "shutting_down", reply
+    srv.thread.join(30)
+    assert not srv.thread.is_alive()
+
+
 def test_sigterm_while_loading_exits_zero(tmp_path):
     """The real server, stopped while it compiles its steps: a clean exit, not an abort under XLA."""
     srv = start_server(tmp_path / "server.log")
