@@ -5,7 +5,7 @@ from jaxinfer import LLM, SamplingParams
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestsFailedError"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestsFailedError", "BeamSearchParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from jaxinfer import types
 
         return getattr(types, name)
+    if name == "BeamSearchParams":
+        from jaxinfer.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxinfer.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxinfer.engine.build import build_engine
 from jaxinfer.engine.config import EngineArgs
 from jaxinfer.engine.engine import Engine
@@ -141,6 +142,30 @@ class LLM:
             self._abort(rids)
             raise
         return self._run(rids, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`): for each prompt, the `beam_width` best sequences, best first
+        (jaxinfer.beam_search). Needs 2 * beam_width <= max_logprobs (the engine's setting, 20 by default)."""
+        if self.engine is None:
+            raise RuntimeError("this LLM is closed")
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: expected a BeamSearchParams, got {params!r:.80}")
+        limit = self.engine.largest().cc.max_logprobs
+        if 2 * params.beam_width > limit:
+            raise ValueError(f"beam_width: at most {limit // 2} with max_logprobs={limit} (each round ranks "
+                             f"2 * beam_width alternatives of a beam); got {params.beam_width}")  # fmt: skip
+        if isinstance(prompts, str | dict) or _is_token_ids(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [self._prompt_ids(p)[1] for p in prompts]
+        engine = self.engine.largest()
+
+        def generate(batch: list[dict], sp: SamplingParams) -> list[RequestOutput]:
+            return self.generate(batch, sp, use_tqdm=False)
+
+        return beam_search(generate, ids, params, engine.eos_token_ids, engine.cc.max_model_len,
+                           lambda toks: self.tokenizer.decode(toks, skip_special_tokens=True))  # fmt: skip
 
     def _abort(self, rids: Iterable[str]) -> None:
         for rid in rids:
