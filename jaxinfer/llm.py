@@ -31,7 +31,7 @@ from jaxinfer.host_memory import heap_frozen, release_freed_memory
 from jaxinfer.model.transformer import Params
 from jaxinfer.model_files import DEFAULT_MODEL
 from jaxinfer.tokenizer import template_role
-from jaxinfer.types import RequestOutput, RequestsFailedError, SamplingParams, is_integer
+from jaxinfer.types import RequestOutput, RequestsFailedError, SamplingParams, is_integer, with_bad_words_ids
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -71,6 +71,9 @@ class LLM:
         if self.engine is None:
             raise RuntimeError("this LLM is closed")
         return SamplingParams(**self.engine.sampling_defaults)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -129,6 +132,7 @@ class LLM:
                 # min_tokens or not.
                 room = context - len(ids)
                 sp = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, room), min_tokens=min(sp.min_tokens, room))
+            sp = with_bad_words_ids(sp, self._encode_plain)
             items.append((text, self.engine.validate(ids, sp), sp))
         rids: list[str] = []
         try:

@@ -47,6 +47,9 @@ TOPK_CAP = 256  # default static size of the lax.top_k fast path for top-k/top-p
 _BLOCK = 256  # vocab block of the two-level argmax and inverse-CDF search
 _NEG_INF = float("-inf")
 _TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+# bad_words (token sequences) a row may carry, and the most tokens in one: the advanced variant's arrays.
+BAD_WORDS_CAP = 32
+BAD_WORD_MAX_TOKENS = 16
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +77,11 @@ class SamplingTensors:
     want_logprobs: jax.Array | None = None
     # bool[S] rows that may sample only the tokens of their bias entries (allowed_token_ids); None: no such row
     only_biased: jax.Array | None = None
+    # i32[S, W, N] each row's bad_words, right-aligned in N and padded with -1 (the last token is the one banned when
+    # the output ends with the others), and i32[S, N - 1] its last output tokens, right-aligned (-1 before the
+    # output's start); None: no such row
+    bad_words: jax.Array | None = None
+    recent_output: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -107,6 +115,7 @@ class RowSampling:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False  # whether this row needs logprobs
     only_biased: bool = False  # only the tokens of logit_bias may be sampled (allowed_token_ids, as entries of 0)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token the output may not complete
 
     @property
     def has_penalties(self) -> bool:
@@ -119,7 +128,8 @@ class RowSampling:
 
     @property
     def advanced(self) -> bool:
-        return self.has_penalties or bool(self.logit_bias) or self.truncates or self.logprobs or self.only_biased
+        return (self.has_penalties or bool(self.logit_bias) or self.truncates or self.logprobs or self.only_biased
+                or bool(self.bad_words))  # fmt: skip
 
 
 def needs_advanced(rows: list[RowSampling]) -> bool:
@@ -182,8 +192,28 @@ def build_sampling_tensors(
     want[: len(rows)] = [r.logprobs for r in rows]
     only = np.zeros(num_rows, bool)
     only[: len(rows)] = [r.only_biased for r in rows]
+    words, recent = _pack_bad_words(rows, num_rows, advanced)
     return SamplingTensors(temp, top_k, top_p, min_p, seeds, counter, rep, pres, freq, history, prompt_lens, bias_ids,
-                           bias_values, want, only)  # fmt: skip
+                           bias_values, want, only, words, recent)  # fmt: skip
+
+
+def _pack_bad_words(rows: list[RowSampling], num_rows: int, advanced: bool) -> tuple[np.ndarray, np.ndarray]:
+    """SamplingTensors.bad_words and .recent_output ([S, 1, 2] and [S, 1] placeholders unless advanced)."""
+    width, length = (BAD_WORDS_CAP, BAD_WORD_MAX_TOKENS) if advanced else (1, 2)
+    words = np.full((num_rows, width, length), -1, np.int32)
+    recent = np.full((num_rows, length - 1), -1, np.int32)
+    for i, r in enumerate(rows):
+        if not r.bad_words:
+            continue
+        if len(r.bad_words) > width:
+            raise ValueError(f"bad_words: row {i} has {len(r.bad_words)} token sequences, more than {width}")
+        for w, word in enumerate(r.bad_words):
+            if not 0 < len(word) <= length:
+                raise ValueError(f"bad_words: row {i} has a sequence of {len(word)} tokens, not 1 to {length}")
+            words[i, w, length - len(word) :] = word
+        tail = r.output_ids[-(length - 1) :]
+        recent[i, length - 1 - len(tail) :] = tail
+    return words, recent
 
 
 # ---------------------------------------------------------------------------------------------- device side
@@ -277,6 +307,8 @@ def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     x = x.at[rows, bias_ids].add(st.bias_values, mode="drop")
     if st.only_biased is not None:  # allowed_token_ids: every token without a bias entry is out
         x = lax.cond(jnp.any(st.only_biased), _keep_biased, lambda x, st: x, x, st)
+    if st.bad_words is not None:
+        x = lax.cond(jnp.any(st.bad_words[:, :, -1] >= 0), _ban_bad_words, lambda x, st: x, x, st)
     active = (st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0) | (st.frequency_penalty != 0.0)
     # The scatters below build two [S, V] arrays: skip them when no row has a penalty.
     return lax.cond(jnp.any(active), _apply_penalties, lambda x, st: x, x, st)
@@ -288,6 +320,18 @@ def _keep_biased(x: jax.Array, st: SamplingTensors) -> jax.Array:
     ids = jnp.where((st.bias_ids >= 0) & (st.bias_ids < vocab), st.bias_ids, vocab)
     listed = jnp.zeros(x.shape, bool).at[jnp.arange(num_rows)[:, None], ids].set(True, mode="drop")
     return jnp.where(st.only_biased[:, None] & ~listed, _NEG_INF, x)
+
+
+def _ban_bad_words(x: jax.Array, st: SamplingTensors) -> jax.Array:
+    """x f32[S, V] -> f32[S, V]: -inf on the last token of every bad word whose other tokens end the output (vLLM's
+    bad_words: the output's tokens only, not the prompt's)."""
+    num_rows, vocab = x.shape
+    words = st.bad_words  # i32[S, W, N]
+    before = words[:, :, :-1]  # right-aligned like recent_output, -1 where the word is shorter
+    ends_output = jnp.all((before < 0) | (before == st.recent_output[:, None, :]), axis=-1)  # bool[S, W]
+    last = words[:, :, -1]
+    banned = jnp.where(ends_output & (last >= 0) & (last < vocab), last, vocab)  # vocab: dropped by the scatter
+    return x.at[jnp.arange(num_rows)[:, None], banned].set(_NEG_INF, mode="drop")
 
 
 def _apply_penalties(x: jax.Array, st: SamplingTensors) -> jax.Array:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
 import numbers
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -68,6 +70,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's); None: any token
+    # vLLM's: words the output may not complete (their last token is banned where the output ends with the rest),
+    # each with and without a leading space. LLM and the server tokenize them into bad_words_token_ids, which the
+    # engine reads (and which may be given instead).
+    bad_words: tuple[str, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -153,6 +160,19 @@ class SamplingParams:
             _check(all(is_int(t) and 0 <= t <= INT32_MAX for t in allowed), "allowed_token_ids",
                    "must be token ids (non-negative integers)")  # fmt: skip
             object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.bad_words is not None:
+            words = self.bad_words
+            _check(isinstance(words, list | tuple) and all(isinstance(w, str) and w.strip() for w in words),
+                   "bad_words", f"must be a list of words (non-blank strings), got {words!r:.80}")  # fmt: skip
+            object.__setattr__(self, "bad_words", tuple(words))
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            _check(isinstance(seqs, list | tuple) and all(isinstance(q, list | tuple) and q for q in seqs),
+                   "bad_words_token_ids", f"must be a list of token id sequences, got {seqs!r:.80}")  # fmt: skip
+            seqs = tuple(tuple(_python_number(t) for t in q) for q in seqs)
+            _check(all(is_int(t) and 0 <= t <= INT32_MAX for q in seqs for t in q), "bad_words_token_ids",
+                   "must hold token ids (non-negative integers)")  # fmt: skip
+            object.__setattr__(self, "bad_words_token_ids", seqs)
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
             bias = {}
@@ -176,6 +196,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def with_bad_words_ids(params: SamplingParams, encode: Callable[[str], list[int]]) -> SamplingParams:
+    """`params` with its bad_words tokenized into bad_words_token_ids (unless given), as vLLM does it: each word
+    as written (leading spaces dropped), and with one leading space where that is other tokens of the same count
+    (" word" at a word boundary). `encode`: text -> token ids, no special tokens added."""
+    if params.bad_words is None or params.bad_words_token_ids is not None:
+        return params
+    seqs: list[tuple[int, ...]] = []
+    for word in params.bad_words:
+        plain = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        seqs.append(plain)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            seqs.append(spaced)
+    return dataclasses.replace(params, bad_words_token_ids=tuple(seqs))
 
 
 class Status(enum.Enum):

@@ -608,6 +608,46 @@ def test_only_biased_rows_sample_only_their_allowed_tokens(allowed, temperature)
     assert both[1] == _tokens(LOGITS12[None], [plain])[0] and both[0] in allowed
 
 
+def _bad_words_reference(output: list[int], words: tuple[tuple[int, ...], ...]) -> set[int]:
+    """vLLM's bad words: a word's last token is banned where the output's last tokens are the rest of the word."""
+    return {w[-1] for w in words if len(output) >= len(w) - 1 and tuple(output[len(output) - len(w) + 1 :]) == w[:-1]}
+
+
+def test_bad_words_ban_the_token_that_would_complete_one():
+    """Words of 1-16 tokens against outputs that end with their beginnings (or not, or only inside the prompt),
+    with the placeholder the engine gives a token in flight resolved first; rows without words are untouched."""
+    rng = np.random.default_rng(0)
+    vocab, n = 64, 24
+    long_word = tuple(range(30, 46))  # BAD_WORD_MAX_TOKENS tokens
+    cases = [  # (prompt, output, words)
+        ([1, 2], [5, 6, 7], ((7, 8), (6, 9), (3,), (5, 6, 7, 10), (6, 7, 11), (4, 7, 12))),
+        ([5, 6], [7], ((5, 6, 7, 13), (6, 7, 14), (7, 15))),  # a prefix reaching into the prompt does not count
+        ([1], [], ((20,), (1, 21))),  # nothing generated yet: only one-token words
+        ([9], list(range(30, 45)), (long_word, long_word[1:], (44, 50), (43, 51))),
+        ([2], [8, 8, 8], ()),
+    ]
+    rows = [RowSampling(prompt_ids=p, output_ids=o, bad_words=w) for p, o, w in cases]
+    rows += [RowSampling(prompt_ids=[1], output_ids=[2, 3]) for _ in range(n - len(rows))]
+    logits = rng.normal(0, 1, (n, vocab)).astype(np.float32)
+    st = build_sampling_tensors(rows, n, HIST, BIAS, advanced=True)
+    got = np.asarray(_process(logits, st))
+    for i, r in enumerate(rows):
+        banned = _bad_words_reference(list(r.output_ids), r.bad_words)
+        assert set(np.flatnonzero(np.isneginf(got[i]))) == banned, (i, banned)
+        keep = np.ones(vocab, bool)
+        keep[list(banned)] = False
+        np.testing.assert_array_equal(got[i][keep], logits[i][keep])
+    assert _bad_words_reference([5, 6, 7], cases[0][2]) == {3, 8, 10, 11}  # the reference itself
+
+    # The last output token still in flight (a placeholder, -(row + 2)): the device resolves it from the feed.
+    from jaxinfer.engine.runner import placeholder, resolve_placeholders
+
+    inflight = [RowSampling(prompt_ids=[1], output_ids=[5, 6, placeholder(0)], bad_words=((6, 7, 8), (6, 9, 10)))]
+    st = build_sampling_tensors(inflight, 2, HIST, BIAS, advanced=True)
+    st = replace(st, recent_output=resolve_placeholders(st.recent_output, np.asarray([7, 0], np.int32)))
+    assert set(np.flatnonzero(np.isneginf(np.asarray(_process(logits[:2], st))[0]))) == {8}
+
+
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 17), (6, 257), (4, 49152)])
 def test_target_ranks_count_the_tokens_ahead(rows, vocab):
     """A token's rank (prompt_logprobs' `rank`): 1 + the tokens more likely than it, the tokens tied with it counted

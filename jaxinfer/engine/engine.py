@@ -32,7 +32,7 @@ from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.runner import ModelRunner, placeholder
 from jaxinfer.engine.scheduler import Evicted, Load, Scheduler
 from jaxinfer.model.transformer import Params
-from jaxinfer.sampling import RowSampling
+from jaxinfer.sampling import BAD_WORD_MAX_TOKENS, BAD_WORDS_CAP, RowSampling
 from jaxinfer.step import SeqChunk
 from jaxinfer.types import Request, SamplingParams, SeqTiming, SeqUpdate, Status, is_integer
 
@@ -46,6 +46,24 @@ FAULT_REQUEST_ENV = "JAXINFER_FAULT_REQUEST"
 def min_tokens_banned(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """The ids a row's bias bans until min_tokens: its stop ids, and EOS unless ignore_eos (vLLM v1's rule)."""
     return params.stop_token_ids + (() if params.ignore_eos else eos_token_ids)
+
+
+def check_bad_words(params: SamplingParams, vocab_size: int) -> None:
+    """bad_words as the engine takes them: tokenized, in the vocabulary, within the sampler's arrays."""
+    seqs = params.bad_words_token_ids
+    if params.bad_words is not None and seqs is None:
+        raise ValueError("bad_words: the engine takes them as token ids (bad_words_token_ids); LLM and the server "
+                         "tokenize them (jaxinfer.types.with_bad_words_ids)")  # fmt: skip
+    name = "bad_words" if params.bad_words is not None else "bad_words_token_ids"
+    seqs = seqs or ()
+    if any(not 0 <= t < vocab_size for q in seqs for t in q):
+        raise ValueError(f"{name}: token ids must be in [0, {vocab_size})")
+    if len(seqs) > BAD_WORDS_CAP:
+        also = " (a word counts twice when its form after a space is other tokens)" if params.bad_words else ""
+        raise ValueError(f"{name}: at most {BAD_WORDS_CAP} token sequences are supported, got {len(seqs)}{also}")
+    longest = max((len(q) for q in seqs), default=0)
+    if longest > BAD_WORD_MAX_TOKENS:
+        raise ValueError(f"{name}: a word may be at most {BAD_WORD_MAX_TOKENS} tokens long, got one of {longest}")
 
 
 class EngineFatalError(RuntimeError):
@@ -273,6 +291,7 @@ class Engine:
                           ("allowed_token_ids", allowed)):  # fmt: skip
             if any(not 0 <= t < self.cfg.vocab_size for t in ids):
                 raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size})")
+        check_bad_words(params, self.cfg.vocab_size)
         # Until min_tokens, the row's bias also bans the stop ids (`_row`), and allowed_token_ids are bias entries
         # too: they share the capacity.
         banned = set(min_tokens_banned(params, self.eos_token_ids)) if params.min_tokens > 0 else set()
@@ -412,6 +431,7 @@ class Engine:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             prompt_ids=req.prompt_token_ids, output_ids=req.output_token_ids, logit_bias=bias,
             logprobs=p.logprobs is not None, only_biased=bool(p.allowed_token_ids),
+            bad_words=p.bad_words_token_ids or (),
         )  # fmt: skip
 
     def _stop(self, req: Request, token: int, count: int) -> tuple[str | None, int | None]:

@@ -192,7 +192,8 @@ def paged_step(
     inp, st = from_flat(flat, layout)
     token_ids = resolve_placeholders(inp.token_ids, feed)
     if advanced:
-        st = dataclasses.replace(st, history=resolve_placeholders(st.history, feed))
+        st = dataclasses.replace(st, history=resolve_placeholders(st.history, feed),
+                                 recent_output=resolve_placeholders(st.recent_output, feed))  # fmt: skip
     stacked = isinstance(model, ScannedTransformer)  # one pool pair for all layers, carried through the loop
     attend = _paged_attend(cfg, inp, decode_only, impl, mesh, stacked)
     # Over several devices the projections take XLA's dots: GSPMD would gather every kernel for a custom call.

@@ -91,7 +91,7 @@ def _engine_request(
         text, ids = encode(convo)
         check_fits(len(ids), need, limit, "messages")
     params, renames = chat_params(req, len(ids), limit, engine.sampling_defaults)
-    params = dataclasses.replace(params, session_id=session)
+    params = ctx.tokenize_words(dataclasses.replace(params, session_id=session))
     try:
         ids = engine.validate(ids, params)
     except ValueError as e:

@@ -79,7 +79,7 @@ def _engine_requests(
         if len(kept) < len(ids):
             text = None  # echo and the output show the tokens the model saw
         params = completion_params(req, len(kept), limit, engine.sampling_defaults)
-        params = dataclasses.replace(params, session_id=session if len(prompts) == 1 else None)
+        params = ctx.tokenize_words(dataclasses.replace(params, session_id=session if len(prompts) == 1 else None))
         try:
             kept = engine.validate(kept, params)
         except ValueError as e:

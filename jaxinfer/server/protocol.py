@@ -112,6 +112,7 @@ class SamplingRequest(_Strict):
     min_tokens: int = 0
     stop_token_ids: Many[int] | None = None
     allowed_token_ids: Many[int] | None = None
+    bad_words: Many[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # The top alternatives of every prompt token, and its own logprob and rank (not with stream, as vLLM).

@@ -79,6 +79,7 @@ def build_params(
             stop=_or(req.stop, ()),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+            bad_words=None if req.bad_words is None else tuple(req.bad_words),
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,

@@ -19,6 +19,7 @@ from jaxinfer.engine.output import OutputAccumulator
 from jaxinfer.host_memory import release_freed_memory
 from jaxinfer.model import init_params
 from jaxinfer.model_files import gemma3_270m_gguf, smollm2_gguf
+from jaxinfer.types import with_bad_words_ids
 from tests.tiny_model import SMOLLM2_SETTINGS
 
 TEXTS = [
@@ -664,6 +665,42 @@ def test_allowed_token_ids_restrict_every_sampled_token(smol):
         smol.generate("x", SamplingParams(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
         SamplingParams(allowed_token_ids=[])
+
+
+def _contains(tokens: list[int], seq: tuple[int, ...]) -> bool:
+    return any(tuple(tokens[i : i + len(seq)]) == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def test_bad_words_keep_words_out_of_the_output(smol):
+    """bad_words (vLLM's): a two-token word taken from the greedy output bans its second token right after its
+    first (the first still in flight on the device when the next step is dispatched: overlap scheduling), and the
+    next best token comes instead; a word given as text is kept out in both its tokenizations."""
+    prompt = smol.tokenizer.encode("The capital of France is")
+    greedy = dict(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = smol.generate({"prompt_token_ids": prompt}, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    first, second = plain.token_ids[1], plain.token_ids[2]
+    ban = SamplingParams(**greedy, bad_words_token_ids=[(first, second)])
+    banned = smol.generate({"prompt_token_ids": prompt}, ban, use_tqdm=False)[0].outputs[0]
+    assert smol.engine.overlap and banned.token_ids[:2] == plain.token_ids[:2]
+    assert not _contains(banned.token_ids, (first, second))
+    ranked = sorted(plain.logprobs[2].items(), key=lambda kv: -kv[1])
+    (best, lp1), (runner_up, lp2) = ranked[0], ranked[1]
+    assert best == second
+    if lp1 - lp2 > 1e-2:  # beyond the float16 pool's rounding: the next best is certain
+        assert banned.token_ids[2] == runner_up
+
+    word = smol.tokenizer.decode([plain.token_ids[0]]).strip()
+    params = SamplingParams(**greedy, bad_words=[word])
+    seqs = with_bad_words_ids(params, lambda t: smol.tokenizer.encode(t, add_special_tokens=False)).bad_words_token_ids
+    assert (plain.token_ids[0],) in seqs  # the greedy output's first token is the word after a space
+    out = smol.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] != plain.token_ids[0] and not any(_contains(out.token_ids, q) for q in seqs)
+    with pytest.raises(ValueError, match="bad_words: the engine takes them as token ids"):
+        smol.engine.validate(prompt, params)
+    with pytest.raises(ValueError, match="bad_words: at most 32 token sequences"):
+        smol.generate("x", SamplingParams(bad_words=[f"w{i}" for i in range(40)]), use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words_token_ids: a word may be at most 16 tokens long"):
+        smol.generate("x", SamplingParams(bad_words_token_ids=[tuple(range(5, 22))]), use_tqdm=False)
 
 
 def test_warmup_compiles_every_program_a_request_can_select(tmp_path):

@@ -69,6 +69,9 @@ CASES = [
     ("allowed_token_ids empty", C, _completion(allowed_token_ids=[]), 400, "allowed_token_ids"),
     ("allowed_token_ids out of vocab", CHAT, _chat(allowed_token_ids=[1, 10_000_000]), 400, "allowed_token_ids"),
     ("allowed_token_ids as strings", C, _completion(allowed_token_ids=["a"]), 400, "allowed_token_ids.0"),
+    ("bad_words blank", C, _completion(bad_words=["ok", " "]), 400, "bad_words"),
+    ("bad_words too many", CHAT, _chat(bad_words=[f"w{i}" for i in range(40)]), 400, "bad_words"),
+    ("bad_words as ids", C, _completion(bad_words=[5]), 400, "bad_words.0"),
     # echo with logprobs is served (tests/server/test_echo_logprobs.py); over the maximum it is still a 400.
     ("echo with logprobs over max", C, _completion(echo=True, logprobs=21), 400, "logprobs"),
     ("chat: no messages", CHAT, _chat(messages=[]), 400, "messages"),

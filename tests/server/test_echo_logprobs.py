@@ -307,6 +307,31 @@ def test_allowed_token_ids(served):
     assert got <= set(allowed) and len(got) > 1
 
 
+def test_bad_words(served):
+    """bad_words reach the engine tokenized, from completions and chat: the greedy output's first word is banned."""
+    client, tokenizer, refs, _, _ = served
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+
+    def ids(r) -> list[int]:
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        tokens = choice["logprobs"]["tokens"] if "tokens" in choice["logprobs"] else [
+            t["token"] for t in choice["logprobs"]["content"]]  # fmt: skip
+        return [int(t.removeprefix("token_id:")) for t in tokens]
+
+    plain = ids(client.post("/v1/completions", json=body))
+    word = next(w for w in (tokenizer.decode([t]).strip() for t in plain) if w.isalnum())
+    banned = ids(client.post("/v1/completions", json={**body, "bad_words": [word]}))
+    assert banned != plain and tokenizer.decode(banned).split().count(word) == 0
+    chat = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    plain = ids(client.post("/v1/chat/completions", json=chat))
+    first = tokenizer.decode([plain[0]]).strip()
+    if first:
+        assert ids(client.post("/v1/chat/completions", json={**chat, "bad_words": [first]}))[0] != plain[0]
+
+
 def test_params_and_limits(served):
     from jaxinfer.server.protocol import CompletionRequest
     from jaxinfer.server.sampling import completion_params

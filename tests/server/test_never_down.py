@@ -191,6 +191,9 @@ def test_no_compilation_while_serving(server, http):
         ("/v1/completions", _body(PROMPTS[2], echo=True, logprobs=1, repetition_penalty=1.3)),
         ("/v1/completions", {"prompt": PROMPTS, "max_tokens": 3, "stream": True}),
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 20}),
+        ("/v1/completions", _body(PROMPTS[1], prompt_logprobs=20, logprobs=2, return_tokens_as_token_ids=True)),
+        ("/v1/chat/completions", {**chat, "prompt_logprobs": 0, "allowed_token_ids": [5, 6, 7], "temperature": 1.0}),
+        ("/v1/completions", _body(PROMPTS[0], bad_words=["Paris", "the city"], n=2, temperature=1.0, seed=3)),
         ("/v1/chat/completions", {**chat, "n": 2, "temperature": 1.0, "stream": True}),
     ]
     for path, body in cases:
@@ -213,7 +216,8 @@ _json = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=
 _FIELDS = ["prompt", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "logprobs",
            "echo", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
            "stop_token_ids", "ignore_eos", "best_of", "stream", "stream_options", "include_stop_str_in_output",
-           "skip_special_tokens", "messages", "top_logprobs", "max_completion_tokens", "user", "model"]  # fmt: skip
+           "skip_special_tokens", "messages", "top_logprobs", "max_completion_tokens", "user", "model",
+           "prompt_logprobs", "allowed_token_ids", "return_tokens_as_token_ids", "bad_words"]  # fmt: skip
 
 
 @st.composite
