@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from jaxinfer.engine.output import OutputProcessor
 from jaxinfer.engine.stream_queue import StreamLimits, StreamQueue
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.types import RequestOutput, SamplingParams
+from jaxinfer.types import RequestOutput, SamplingParams, with_bad_words_ids
 
 if TYPE_CHECKING:  # the HTTP process imports this module for EngineDeadError: no jax there
     from jaxinfer.engine.engine import Engine
@@ -110,6 +110,7 @@ class AsyncEngine:
         SlowReaderError when the caller stopped taking outputs and was cut off."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
+        params = with_bad_words_ids(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         ids = await validate_off_loop(self.engine.validate, prompt_ids, params)
         stream = StreamQueue(request_id, self.limits, self.abort)
         with self._lock:

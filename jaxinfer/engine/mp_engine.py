@@ -45,7 +45,7 @@ from jaxinfer.engine.async_engine import (  # one error for both fronts
 from jaxinfer.engine.core_process import COMMANDS_HWM, pack, params_to_wire, run_core, unpack, update_from_wire
 from jaxinfer.engine.outbox import RESULTS_HWM
 from jaxinfer.engine.stream_queue import StreamLimits, StreamQueue
-from jaxinfer.types import RequestOutput, SamplingParams
+from jaxinfer.types import RequestOutput, SamplingParams, with_bad_words_ids
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,7 @@ class MPAsyncEngine:
         SlowReaderError when the caller stopped taking outputs and was cut off."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
+        params = with_bad_words_ids(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         ids = await validate_off_loop(self.validate, prompt_ids, params)
         stream = StreamQueue(request_id, self.limits, self._cut)
         with self._lock:

@@ -697,6 +697,18 @@ def test_bad_words_keep_words_out_of_the_output(smol):
     assert out.token_ids[0] != plain.token_ids[0] and not any(_contains(out.token_ids, q) for q in seqs)
     with pytest.raises(ValueError, match="bad_words: the engine takes them as token ids"):
         smol.engine.validate(prompt, params)
+
+    async def stream() -> list[int]:  # an AsyncEngine (a notebook's, the server's) tokenizes them too
+        whole = OutputAccumulator(params)
+        async for delta in ae.generate(prompt, params, "bad-words"):
+            whole.add(delta)
+        return whole.result().outputs[0].token_ids
+
+    ae = AsyncEngine(smol.engine, smol.tokenizer)
+    try:
+        assert asyncio.run(stream()) == out.token_ids
+    finally:
+        ae.shutdown()
     with pytest.raises(ValueError, match="bad_words: at most 32 token sequences"):
         smol.generate("x", SamplingParams(bad_words=[f"w{i}" for i in range(40)]), use_tqdm=False)
     with pytest.raises(ValueError, match="bad_words_token_ids: a word may be at most 16 tokens long"):
