@@ -45,6 +45,10 @@ _NOT_USED: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
     "web_search_options": (None,),
     "response_format": (None, {"type": "text"}),
+    # vLLM's: beam search (offline only here: LLM.beam_search), and priority scheduling (vLLM's default 0 is fine)
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "priority": (None, 0),
     # a chat message's (history written by a server that has them)
     "tool_calls": (None, []),
     "refusal": (None,),
@@ -119,6 +123,9 @@ class SamplingRequest(_Strict):
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N" (vLLM's)
     # Known but not implemented: see _NOT_USED.
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    priority: Any = None
     service_tier: Any = None
     store: Any = None
     response_format: Any = None

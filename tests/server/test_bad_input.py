@@ -70,6 +70,8 @@ CASES = [
     ("allowed_token_ids out of vocab", CHAT, _chat(allowed_token_ids=[1, 10_000_000]), 400, "allowed_token_ids"),
     ("allowed_token_ids as strings", C, _completion(allowed_token_ids=["a"]), 400, "allowed_token_ids.0"),
     ("bad_words blank", C, _completion(bad_words=["ok", " "]), 400, "bad_words"),
+    ("use_beam_search", C, _completion(use_beam_search=True), 400, "use_beam_search"),
+    ("priority", CHAT, _chat(priority=2), 400, "priority"),
     ("bad_words too many", CHAT, _chat(bad_words=[f"w{i}" for i in range(40)]), 400, "bad_words"),
     ("bad_words as ids", C, _completion(bad_words=[5]), 400, "bad_words.0"),
     # echo with logprobs is served (tests/server/test_echo_logprobs.py); over the maximum it is still a 400.
@@ -163,8 +165,9 @@ def _check_error(r, status: int, param: str | None) -> dict:
 def test_bad_request(http, name, path, body, status, param):
     r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     err = _check_error(r, status, param)
-    if name in ("best_of", "suffix", "chat: tools", "chat: json mode", "chat: image part",
-                "chat: tool calls in history", "chat: a tool's result", "chat: a refusal part"):  # fmt: skip
+    if name in ("best_of", "suffix", "use_beam_search", "priority", "chat: tools", "chat: json mode",
+                "chat: image part", "chat: tool calls in history", "chat: a tool's result",
+                "chat: a refusal part"):  # fmt: skip
         assert "not supported" in err["message"]
     if "negative" in name:  # the bound is the server's max_logprobs, not the int32 range it was said as
         assert ">= 0" in err["message"] and "2147483647" not in err["message"], err
@@ -201,6 +204,10 @@ def test_null_means_not_set(http):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
     r = http.post("/v1/chat/completions", json={**chat, "metadata": {}})
     assert r.status_code == 200, r.text
+    # vLLM's beam search and priority fields at their "off" values (clients that send every field): same output.
+    off = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}
+    r = http.post("/v1/completions", json={**base, **off})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
 
 
 def test_models_version_and_cors(http):
