@@ -8,9 +8,9 @@ and `topk_cap` are static. The host picks the variant per step (`needs_advanced`
       before it can launch the rest (2.7 ms of a 0.6B batch-1 step on an H200): there the draw always runs and
       greedy rows select the argmax. CPU and TPU evaluate predicates on the device itself, so they skip the draw
       when every row is greedy (exp over [S, V] costs milliseconds on CPU).
-    - advanced: also logit bias, penalties (they need the token history), top-k/top-p and logprobs. Each of these
-      runs under a conditional, skipped when no row of the step uses it: a sort-free top-k over a large vocabulary
-      is not free on any backend.
+    - advanced: also logit bias, penalties (they need the token history), allowed tokens, bad words, top-k/top-p
+      and logprobs. Each of these runs under a conditional, skipped when no row of the step uses it: a sort-free
+      top-k over a large vocabulary is not free on any backend.
 
 Processing order, as vLLM v1 does it (vllm/v1/sample/sampler.py and the GPU model runner's sampler):
     1. logprobs are taken from the raw model logits (vLLM's default logprobs_mode="raw_logprobs");
@@ -133,7 +133,8 @@ class RowSampling:
 
 
 def needs_advanced(rows: list[RowSampling]) -> bool:
-    """Whether any row needs the advanced variant: penalties, logit bias, top-k/top-p or logprobs."""
+    """Whether any row needs the advanced variant: penalties, logit bias, allowed tokens, bad words, top-k/top-p
+    or logprobs."""
     return any(r.advanced for r in rows)
 
 
@@ -148,7 +149,8 @@ def build_sampling_tensors(
     if len(rows) > num_rows:
         raise ValueError(f"rows: {len(rows)} rows do not fit num_rows={num_rows}")
     if not advanced and needs_advanced(rows):
-        raise ValueError("rows: penalties, logit_bias, top_k/top_p or logprobs need advanced=True")
+        raise ValueError("rows: penalties, logit_bias, allowed tokens, bad words, top_k/top_p or logprobs need "
+                         "advanced=True")  # fmt: skip
     temp = np.zeros(num_rows, np.float32)  # padding rows are greedy: they never trigger the top-k/top-p path
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
