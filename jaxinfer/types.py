@@ -81,6 +81,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, every text "" (vLLM's; no stop strings then)
     logprobs: int | None = None  # number of top alternatives per generated token (0: only the sampled token)
     prompt_logprobs: int | None = None  # same, for every prompt token
     # A conversation's id: when the request ends (stop or length, n == 1) the engine pins its KV pages for the
@@ -139,13 +140,14 @@ class SamplingParams:
         if self.seed is not None:  # OpenAI's and vLLM's range: a signed 64-bit integer (and unsigned ones)
             _check(is_int(self.seed) and -(2**63) <= self.seed < 2**64, "seed",
                    f"must be an integer in [-2**63, 2**64), got {self.seed!r}")  # fmt: skip
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
         _check(self.stop is None or isinstance(self.stop, str | list | tuple), "stop",
                f"must be a non-empty string or a list of them, got {self.stop!r}")  # fmt: skip
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         _check(all(isinstance(s, str) and s for s in stop), "stop", "must be a non-empty string or a list of them")
         object.__setattr__(self, "stop", stop)
+        _check(self.detokenize or not stop, "stop", "strings need detokenize=True (the text they are found in)")
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple), "stop_token_ids",
                f"must be a list of token ids, got {self.stop_token_ids!r}")  # fmt: skip
         ids = tuple(_python_number(t) for t in self.stop_token_ids or ())

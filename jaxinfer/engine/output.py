@@ -76,7 +76,9 @@ class OutputProcessor:
         for i, sid in enumerate(sids):
             detok = IncrementalDetokenizer(
                 # min_tokens: a stop string may end only after it (as vLLM v1), from the first token past it.
-                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                # detokenize=False: nothing is decoded, nor the prompt's tail as context.
+                self.tokenizer, prompt_ids if params.detokenize else [], skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output, stop_armed=params.min_tokens == 0,
             )  # fmt: skip
             seqs[sid] = _Seq(i, detok)
@@ -123,7 +125,7 @@ class OutputProcessor:
                     seq.detok.arm_stop()
                 seq.num_tokens += 1
                 seq.token_ids.append(tok)
-                if j != unrendered and (text := seq.detok.add(tok)):
+                if j != unrendered and req.params.detokenize and (text := seq.detok.add(tok)):
                     seq.text.append(text)
                 if lp is not None:
                     seq.logprobs.append(lp)
@@ -133,7 +135,7 @@ class OutputProcessor:
                 if not u.finished:
                     finish(u.request_id, "stop", seq.detok.stop_reason)
             elif u.finished:
-                if text := seq.detok.flush():
+                if req.params.detokenize and (text := seq.detok.flush()):
                     seq.text.append(text)
                 seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
             req.detokenize_s += time.perf_counter() - t0

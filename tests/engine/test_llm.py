@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 
 import jax
@@ -713,6 +714,20 @@ def test_bad_words_keep_words_out_of_the_output(smol):
         smol.generate("x", SamplingParams(bad_words=[f"w{i}" for i in range(40)]), use_tqdm=False)
     with pytest.raises(ValueError, match="bad_words_token_ids: a word may be at most 16 tokens long"):
         smol.generate("x", SamplingParams(bad_words_token_ids=[tuple(range(5, 22))]), use_tqdm=False)
+
+
+def test_detokenize_false_gives_the_tokens_without_text(smol):
+    """detokenize=False (vLLM's): the same tokens, logprobs and finish reasons, every text empty; stop strings,
+    which need the text, are refused."""
+    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)
+    texts = smol.generate(TEXTS[:3], sp, use_tqdm=False)
+    ids = smol.generate(TEXTS[:3], dataclasses.replace(sp, detokenize=False), use_tqdm=False)
+    for a, b in zip(texts, ids, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.token_ids, y.logprobs, y.finish_reason) == (x.token_ids, x.logprobs, x.finish_reason)
+        assert x.text and y.text == ""
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["."], detokenize=False)
 
 
 def test_warmup_compiles_every_program_a_request_can_select(tmp_path):
