@@ -72,9 +72,6 @@ class LLM:
             raise RuntimeError("this LLM is closed")
         return SamplingParams(**self.engine.sampling_defaults)
 
-    def _encode_plain(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -132,7 +129,7 @@ class LLM:
                 # min_tokens or not.
                 room = context - len(ids)
                 sp = dataclasses.replace(sp, max_tokens=min(sp.max_tokens, room), min_tokens=min(sp.min_tokens, room))
-            sp = with_bad_words_ids(sp, self._encode_plain)
+            sp = with_bad_words_ids(sp, self.tokenizer)
             items.append((text, self.engine.validate(ids, sp), sp))
         rids: list[str] = []
         try:

@@ -8,8 +8,8 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 def is_integer(x: object) -> bool:
@@ -200,16 +200,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def with_bad_words_ids(params: SamplingParams, encode: Callable[[str], list[int]]) -> SamplingParams:
+class _Encodes(Protocol):  # jaxinfer.tokenizer.Tokenizer, which this host-only module does not import
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+
+
+def with_bad_words_ids(params: SamplingParams, tokenizer: _Encodes) -> SamplingParams:
     """`params` with its bad_words tokenized into bad_words_token_ids (unless given), as vLLM does it: each word
     as written (leading spaces dropped), and with one leading space where that is other tokens of the same count
-    (" word" at a word boundary). `encode`: text -> token ids, no special tokens added."""
+    (" word" at a word boundary)."""
     if params.bad_words is None or params.bad_words_token_ids is not None:
         return params
     seqs: list[tuple[int, ...]] = []
     for word in params.bad_words:
-        plain = tuple(encode(word.lstrip()))
-        spaced = tuple(encode(" " + word.lstrip()))
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         seqs.append(plain)
         if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
             seqs.append(spaced)

@@ -110,7 +110,7 @@ class AsyncEngine:
         SlowReaderError when the caller stopped taking outputs and was cut off."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        params = with_bad_words_ids(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        params = with_bad_words_ids(params, self.tokenizer)
         ids = await validate_off_loop(self.engine.validate, prompt_ids, params)
         stream = StreamQueue(request_id, self.limits, self.abort)
         with self._lock:

@@ -22,7 +22,7 @@ from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupport
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
 from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns, refuse_surely_too_long
 from jaxinfer.tokenizer import ChatTemplateError, Tokenizer, template_role
-from jaxinfer.types import RequestOutput
+from jaxinfer.types import RequestOutput, with_bad_words_ids
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -91,7 +91,7 @@ def _engine_request(
         text, ids = encode(convo)
         check_fits(len(ids), need, limit, "messages")
     params, renames = chat_params(req, len(ids), limit, engine.sampling_defaults)
-    params = ctx.tokenize_words(dataclasses.replace(params, session_id=session))
+    params = with_bad_words_ids(dataclasses.replace(params, session_id=session), ctx.tokenizer)  # as token ids
     try:
         ids = engine.validate(ids, params)
     except ValueError as e:

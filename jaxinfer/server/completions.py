@@ -28,7 +28,7 @@ from jaxinfer.server.streaming import (
     sse,
 )
 from jaxinfer.server.truncation import completion_room, keep_last_tokens, refuse_surely_too_long
-from jaxinfer.types import CompletionOutput, RequestOutput
+from jaxinfer.types import CompletionOutput, RequestOutput, with_bad_words_ids
 
 
 def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[tuple[str | None, list[int]]]:
@@ -79,7 +79,8 @@ def _engine_requests(
         if len(kept) < len(ids):
             text = None  # echo and the output show the tokens the model saw
         params = completion_params(req, len(kept), limit, engine.sampling_defaults)
-        params = ctx.tokenize_words(dataclasses.replace(params, session_id=session if len(prompts) == 1 else None))
+        params = dataclasses.replace(params, session_id=session if len(prompts) == 1 else None)
+        params = with_bad_words_ids(params, ctx.tokenizer)  # the engine takes them as token ids
         try:
             kept = engine.validate(kept, params)
         except ValueError as e:

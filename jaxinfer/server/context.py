@@ -29,7 +29,7 @@ from jaxinfer.server.ratelimit import RateLimitCollector, RateLimiter
 from jaxinfer.server.state import ServerState
 from jaxinfer.server.tracing import RequestTracer
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.types import MAX_SESSION_ID_LEN, SamplingParams, with_bad_words_ids
+from jaxinfer.types import MAX_SESSION_ID_LEN, SamplingParams
 
 T = TypeVar("T")
 
@@ -146,10 +146,6 @@ class ServingContext:
     def tokenizer(self) -> Tokenizer:
         assert self.state.tokenizer is not None, "used before the model was loaded"
         return self.state.tokenizer
-
-    def tokenize_words(self, params: SamplingParams) -> SamplingParams:
-        """`params` with its bad_words as the token ids the engine takes."""
-        return with_bad_words_ids(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
     @property
     def token_text(self) -> TokenText:

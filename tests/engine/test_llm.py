@@ -692,7 +692,7 @@ def test_bad_words_keep_words_out_of_the_output(smol):
 
     word = smol.tokenizer.decode([plain.token_ids[0]]).strip()
     params = SamplingParams(**greedy, bad_words=[word])
-    seqs = with_bad_words_ids(params, lambda t: smol.tokenizer.encode(t, add_special_tokens=False)).bad_words_token_ids
+    seqs = with_bad_words_ids(params, smol.tokenizer).bad_words_token_ids
     assert (plain.token_ids[0],) in seqs  # the greedy output's first token is the word after a space
     out = smol.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids[0] != plain.token_ids[0] and not any(_contains(out.token_ids, q) for q in seqs)
