@@ -308,7 +308,7 @@ def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     bias_ids = jnp.where((st.bias_ids >= 0) & (st.bias_ids < vocab), st.bias_ids, vocab)  # i32[S, B]
     x = x.at[rows, bias_ids].add(st.bias_values, mode="drop")
     if st.only_biased is not None:  # allowed_token_ids: every token without a bias entry is out
-        x = lax.cond(jnp.any(st.only_biased), _keep_biased, lambda x, st: x, x, st)
+        x = lax.cond(jnp.any(st.only_biased), _keep_biased, lambda x, ids, only: x, x, bias_ids, st.only_biased)
     if st.bad_words is not None:
         x = lax.cond(jnp.any(st.bad_words[:, :, -1] >= 0), _ban_bad_words, lambda x, st: x, x, st)
     active = (st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0) | (st.frequency_penalty != 0.0)
@@ -316,12 +316,12 @@ def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return lax.cond(jnp.any(active), _apply_penalties, lambda x, st: x, x, st)
 
 
-def _keep_biased(x: jax.Array, st: SamplingTensors) -> jax.Array:
-    """x f32[S, V] -> f32[S, V]: -inf outside the bias entries in the rows marked only_biased."""
-    num_rows, vocab = x.shape
-    ids = jnp.where((st.bias_ids >= 0) & (st.bias_ids < vocab), st.bias_ids, vocab)
-    listed = jnp.zeros(x.shape, bool).at[jnp.arange(num_rows)[:, None], ids].set(True, mode="drop")
-    return jnp.where(st.only_biased[:, None] & ~listed, _NEG_INF, x)
+def _keep_biased(x: jax.Array, bias_ids: jax.Array, only_biased: jax.Array) -> jax.Array:
+    """x f32[S, V] -> f32[S, V]: -inf outside the bias entries (i32[S, B], the vocab size where none) in the rows
+    marked only_biased (bool[S])."""
+    rows = jnp.arange(x.shape[0])[:, None]
+    listed = jnp.zeros(x.shape, bool).at[rows, bias_ids].set(True, mode="drop")
+    return jnp.where(only_biased[:, None] & ~listed, _NEG_INF, x)
 
 
 def _ban_bad_words(x: jax.Array, st: SamplingTensors) -> jax.Array:
