@@ -110,6 +110,13 @@ class SamplingParams:
             v = getattr(self, name)
             _check(is_int(v) and lo <= v <= INT32_MAX, name, f"must be an integer in [{lo}, {INT32_MAX}], got {v!r}")
 
+        def token_ids(name: str, values) -> tuple[int, ...]:  # the upper bound is the vocabulary (Engine.validate)
+            ids = tuple(_python_number(t) for t in values)
+            _check(
+                all(is_int(t) and 0 <= t <= INT32_MAX for t in ids), name, "must be token ids (non-negative integers)"
+            )
+            return ids
+
         count("n", 1)
         if self.max_tokens is not None:
             count("max_tokens", 1)
@@ -150,18 +157,12 @@ class SamplingParams:
         _check(self.detokenize or not stop, "stop", "strings need detokenize=True (the text they are found in)")
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple), "stop_token_ids",
                f"must be a list of token ids, got {self.stop_token_ids!r}")  # fmt: skip
-        ids = tuple(_python_number(t) for t in self.stop_token_ids or ())
-        _check(all(is_int(t) and 0 <= t <= INT32_MAX for t in ids), "stop_token_ids",
-               "must be token ids (non-negative integers)")  # fmt: skip
-        object.__setattr__(self, "stop_token_ids", ids)
-        if self.allowed_token_ids is not None:  # the upper bound is the vocabulary (Engine.validate)
+        object.__setattr__(self, "stop_token_ids", token_ids("stop_token_ids", self.stop_token_ids or ()))
+        if self.allowed_token_ids is not None:
             allowed = self.allowed_token_ids
             _check(isinstance(allowed, list | tuple) and len(allowed) > 0, "allowed_token_ids",
                    f"must be a non-empty list of token ids, got {allowed!r}")  # fmt: skip
-            allowed = tuple(_python_number(t) for t in allowed)
-            _check(all(is_int(t) and 0 <= t <= INT32_MAX for t in allowed), "allowed_token_ids",
-                   "must be token ids (non-negative integers)")  # fmt: skip
-            object.__setattr__(self, "allowed_token_ids", allowed)
+            object.__setattr__(self, "allowed_token_ids", token_ids("allowed_token_ids", allowed))
         if self.bad_words is not None:
             words = self.bad_words
             _check(isinstance(words, list | tuple) and all(isinstance(w, str) and w.strip() for w in words),
@@ -171,10 +172,7 @@ class SamplingParams:
             seqs = self.bad_words_token_ids
             _check(isinstance(seqs, list | tuple) and all(isinstance(q, list | tuple) and q for q in seqs),
                    "bad_words_token_ids", f"must be a list of token id sequences, got {seqs!r:.80}")  # fmt: skip
-            seqs = tuple(tuple(_python_number(t) for t in q) for q in seqs)
-            _check(all(is_int(t) and 0 <= t <= INT32_MAX for q in seqs for t in q), "bad_words_token_ids",
-                   "must hold token ids (non-negative integers)")  # fmt: skip
-            object.__setattr__(self, "bad_words_token_ids", seqs)
+            object.__setattr__(self, "bad_words_token_ids", tuple(token_ids("bad_words_token_ids", q) for q in seqs))
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
             bias = {}
