@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxinfer.sampling import SamplingTensors, build_sampling_tensors
-from jaxinfer.step import StepInputs, pack
+from jaxinfer.sampling import SamplingTensors
+from jaxinfer.step import StepInputs
 
 _STEP, _STOP = 1, 2
 
@@ -73,13 +73,11 @@ def attach_followers(runner) -> None:
 
 def follow(runner) -> None:
     """A follower's whole life: run every step the lead announces, until it says stop."""
-    cc = runner.cc
     while True:
         header = multihost_utils.broadcast_one_to_all(np.zeros(6, np.int32))
         cmd, decode_only, t, s, advanced, prompt_lp = (int(x) for x in header)
         if cmd == _STOP:
             return
-        like = (pack([], t, s, cc.pages_per_seq, cc.block_size),
-                build_sampling_tensors([], s, cc.max_model_len, cc.logit_bias_capacity, bool(advanced)))  # fmt: skip
+        like = runner.padding_inputs(bool(advanced), t, s)
         inp, st = _from_wire(multihost_utils.broadcast_one_to_all(_to_wire(like)), like)
         runner.launch(inp, st, bool(decode_only), bool(advanced), bool(prompt_lp))

@@ -8,14 +8,15 @@ and `topk_cap` are static. The host picks the variant per step (`needs_advanced`
       before it can launch the rest (2.7 ms of a 0.6B batch-1 step on an H200): there the draw always runs and
       greedy rows select the argmax. CPU and TPU evaluate predicates on the device itself, so they skip the draw
       when every row is greedy (exp over [S, V] costs milliseconds on CPU).
-    - advanced: also logit bias, penalties (they need the token history), allowed tokens, bad words, top-k/top-p
-      and logprobs. Each of these runs under a conditional, skipped when no row of the step uses it: a sort-free
-      top-k over a large vocabulary is not free on any backend.
+    - advanced: also logit bias, penalties (they need the token history), allowed tokens, bad words, structured
+      outputs' token masks, top-k/top-p and logprobs. Each of these runs under a conditional, skipped when no row
+      of the step uses it: a sort-free top-k over a large vocabulary is not free on any backend.
 
 Processing order, as vLLM v1 does it (vllm/v1/sample/sampler.py and the GPU model runner's sampler):
     1. logprobs are taken from the raw model logits (vLLM's default logprobs_mode="raw_logprobs");
     2. logit bias is added (min_tokens arrives here as -inf bias on the stop ids; allowed_token_ids as entries of
-       0, every other token of such a row then -inf);
+       0, every other token of such a row then -inf); bad words and a structured output's grammar set the tokens
+       they rule out to -inf;
     3. penalties: repetition over prompt + output tokens, then frequency and presence over output tokens only;
     4. greedy rows (temperature < 1e-5) take the argmax of these processed logits;
     5. temperature;
@@ -82,6 +83,9 @@ class SamplingTensors:
     # output's start); None: no such row
     bad_words: jax.Array | None = None
     recent_output: jax.Array | None = None
+    # i32[S, M] structured outputs' masks: bit t % 32 of word t // 32 set where token t may be sampled; a row
+    # without a grammar is all ones (-1), and so is a token past 32 * M. None: no such row
+    token_mask: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -116,6 +120,7 @@ class RowSampling:
     logprobs: bool = False  # whether this row needs logprobs
     only_biased: bool = False  # only the tokens of logit_bias may be sampled (allowed_token_ids, as entries of 0)
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token the output may not complete
+    token_mask: np.ndarray | None = None  # i32[M]: the tokens a structured output's grammar allows (bits)
 
     @property
     def has_penalties(self) -> bool:
@@ -129,19 +134,20 @@ class RowSampling:
     @property
     def advanced(self) -> bool:
         return (self.has_penalties or bool(self.logit_bias) or self.truncates or self.logprobs or self.only_biased
-                or bool(self.bad_words))  # fmt: skip
+                or bool(self.bad_words) or self.token_mask is not None)  # fmt: skip
 
 
 def needs_advanced(rows: list[RowSampling]) -> bool:
-    """Whether any row needs the advanced variant: penalties, logit bias, allowed tokens, bad words, top-k/top-p
-    or logprobs."""
+    """Whether any row needs the advanced variant: penalties, logit bias, allowed tokens, bad words, a token mask,
+    top-k/top-p or logprobs."""
     return any(r.advanced for r in rows)
 
 
 def build_sampling_tensors(
-    rows: list[RowSampling], num_rows: int, history_len: int, bias_cap: int, advanced: bool
+    rows: list[RowSampling], num_rows: int, history_len: int, bias_cap: int, advanced: bool, mask_words: int = 1
 ) -> SamplingTensors:
-    """Packs rows into numpy SamplingTensors of exactly num_rows rows (history_len and bias_cap used if advanced).
+    """Packs rows into numpy SamplingTensors of exactly num_rows rows (history_len, bias_cap and mask_words, the
+    token mask's width, ceil(V / 32) for a grammar's rows, used if advanced).
 
     Raises ValueError naming the field when something does not fit. The history of a row without penalties is
     left as padding: nothing reads it, and a long request without penalties must not trip the capacity.
@@ -149,8 +155,8 @@ def build_sampling_tensors(
     if len(rows) > num_rows:
         raise ValueError(f"rows: {len(rows)} rows do not fit num_rows={num_rows}")
     if not advanced and needs_advanced(rows):
-        raise ValueError("rows: penalties, logit_bias, allowed tokens, bad words, top_k/top_p or logprobs need "
-                         "advanced=True")  # fmt: skip
+        raise ValueError("rows: penalties, logit_bias, allowed tokens, bad words, token masks, top_k/top_p or "
+                         "logprobs need advanced=True")  # fmt: skip
     temp = np.zeros(num_rows, np.float32)  # padding rows are greedy: they never trigger the top-k/top-p path
     top_k = np.zeros(num_rows, np.int32)
     top_p = np.ones(num_rows, np.float32)
@@ -195,8 +201,14 @@ def build_sampling_tensors(
     only = np.zeros(num_rows, bool)
     only[: len(rows)] = [r.only_biased for r in rows]
     words, recent = _pack_bad_words(rows, num_rows, advanced)
+    mask = np.full((num_rows, mask_words if advanced else 1), -1, np.int32)
+    for i, r in enumerate(rows):
+        if r.token_mask is not None:
+            if r.token_mask.shape != (mask_words,):
+                raise ValueError(f"token_mask: row {i} has shape {r.token_mask.shape}, not ({mask_words},)")
+            mask[i] = r.token_mask
     return SamplingTensors(temp, top_k, top_p, min_p, seeds, counter, rep, pres, freq, history, prompt_lens, bias_ids,
-                           bias_values, want, only, words, recent)  # fmt: skip
+                           bias_values, want, only, words, recent, mask)  # fmt: skip
 
 
 def _pack_bad_words(rows: list[RowSampling], num_rows: int, advanced: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -311,6 +323,8 @@ def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
         x = lax.cond(jnp.any(st.only_biased), _keep_biased, lambda x, ids, only: x, x, bias_ids, st.only_biased)
     if st.bad_words is not None:
         x = lax.cond(jnp.any(st.bad_words[:, :, -1] >= 0), _ban_bad_words, lambda x, st: x, x, st)
+    if st.token_mask is not None:
+        x = lax.cond(jnp.any(st.token_mask != -1), _apply_token_mask, lambda x, m: x, x, st.token_mask)
     active = (st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0) | (st.frequency_penalty != 0.0)
     # The scatters below build two [S, V] arrays: skip them when no row has a penalty.
     return lax.cond(jnp.any(active), _apply_penalties, lambda x, st: x, x, st)
@@ -322,6 +336,17 @@ def _keep_biased(x: jax.Array, bias_ids: jax.Array, only_biased: jax.Array) -> j
     rows = jnp.arange(x.shape[0])[:, None]
     listed = jnp.zeros(x.shape, bool).at[rows, bias_ids].set(True, mode="drop")
     return jnp.where(only_biased[:, None] & ~listed, _NEG_INF, x)
+
+
+def _apply_token_mask(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """x f32[S, V] -> f32[S, V]: -inf where the row's mask (i32[S, M], one bit per token) has the token's bit clear;
+    tokens past 32 * M are kept."""
+    num_rows, vocab = x.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[S, M, 32]: bit b of word w is token 32w+b
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0
+    if allowed.shape[1] < vocab:
+        allowed = jnp.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])), constant_values=True)
+    return jnp.where(allowed, x, _NEG_INF)
 
 
 def _ban_bad_words(x: jax.Array, st: SamplingTensors) -> jax.Array:

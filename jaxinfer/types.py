@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 def is_integer(x: object) -> bool:
@@ -47,6 +48,46 @@ MIN_TEMPERATURE = 0.01  # the smallest temperature but 0 (greedy), as vLLM's _MA
 # The engine's sampling arrays and the wire to the engine process hold ids and counts as int32.
 INT32_MAX = 2**31 - 1
 MAX_SESSION_ID_LEN = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrained decoding, vLLM's `StructuredOutputsParams`: exactly one of `json` (a JSON schema, as a dict or its
+    text), `regex`, `choice` (the output is one of these strings), `grammar` (Lark or GBNF, as llama.cpp writes
+    it) or `json_object` (any JSON object). The output can only be what it describes, then EOS; max_tokens may
+    still cut it short. `disable_any_whitespace`: JSON without whitespace between its tokens."""
+
+    json: str | None = None  # a dict is kept as its JSON text: what crosses to the engine's process
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        name = "structured_outputs"
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None:
+            ok = isinstance(self.choice, list | tuple) and self.choice and all(isinstance(c, str) for c in self.choice)
+            _check(ok, f"{name}.choice", f"must be a non-empty list of strings, got {self.choice!r:.80}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for field_name in ("json", "regex", "grammar"):
+            v = getattr(self, field_name)
+            _check(v is None or (isinstance(v, str) and v), f"{name}.{field_name}",
+                   f"must be a non-empty string, got {v!r:.80}")  # fmt: skip
+        for field_name in ("json_object", "disable_any_whitespace"):
+            v = getattr(self, field_name)
+            _check(v is None or isinstance(v, bool), f"{name}.{field_name}", f"must be true or false, got {v!r}")
+        given = self.given
+        _check(len(given) == 1, name, "needs exactly one of json, regex, choice, grammar or json_object, got "
+               f"{', '.join(given) or 'none'}")  # fmt: skip
+
+    @property
+    def given(self) -> list[str]:
+        """The constraints set: one, once constructed ("json", "regex", "choice", "grammar" or "json_object")."""
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        return given + ["json_object"] if self.json_object else given
 
 
 @dataclass(frozen=True)
@@ -88,6 +129,8 @@ class SamplingParams:
     # session's TTL, so the next turn with the same id prefills only what is new (jaxinfer.cache.sessions).
     # It never changes the output.
     session_id: str | None = None
+    # Constrained decoding (JSON schema, regex, choice, grammar): see StructuredOutputsParams.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in _NUMBERS:
@@ -187,6 +230,14 @@ class SamplingParams:
         if self.session_id is not None:
             _check(isinstance(self.session_id, str) and 0 < len(self.session_id) <= MAX_SESSION_ID_LEN, "session_id",
                    f"must be a string of 1 to {MAX_SESSION_ID_LEN} characters")  # fmt: skip
+        so = self.structured_outputs
+        if isinstance(so, dict):  # from the wire, or a caller's dict
+            unknown = set(so) - {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+            _check(not unknown, "structured_outputs", f"has unknown fields {sorted(map(str, unknown))}")
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
+        else:
+            _check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs",
+                   f"must be a StructuredOutputsParams, got {type(so).__name__}")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None:  # the upper bound is the engine's max_logprobs (Engine.validate)
@@ -256,6 +307,7 @@ class Request:
     # (dispatched, done, prompt tokens) of each step that computed part of the prompt, in seconds since
     # arrival_time: the prefill chunks of the request's trace.
     prefill_chunks: list[list[float]] = field(default_factory=list)
+    grammar: Any = None  # its structured output's position (jaxinfer.engine.grammar.Grammar), when it has one
 
     @property
     def num_tokens(self) -> int:

@@ -684,3 +684,50 @@ def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
     assert params_from_wire(unpack(pack(params_to_wire(sp)))) == want
     with pytest.raises(ValueError, match="max_tokens must be an integer"):  # still a number of the wrong kind
         SamplingParams(max_tokens=np.float32(8))
+
+
+def _bits_allowed(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """bool[V] of a token mask (i32[M], bit t % 32 of word t // 32), by numpy's own bit order; past 32 * M: kept."""
+    bits = np.unpackbits(mask.astype("<i4").view(np.uint8), bitorder="little").astype(bool)
+    return np.concatenate([bits, np.ones(max(0, vocab - bits.size), bool)])[:vocab]
+
+
+@pytest.mark.parametrize(("vocab", "words"), [(12, 1), (1000, 32), (1000, 8), (49152, 1536)])
+def test_token_masks_rule_out_every_token_whose_bit_is_clear(vocab, words):
+    """A structured output's mask (SamplingTensors.token_mask) sets exactly the tokens whose bit is clear to -inf,
+    in its row only; a mask narrower than the vocabulary (8 words of 1000 tokens) keeps the tokens past it."""
+    rng = np.random.default_rng(vocab + words)
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    mask = rng.integers(-(2**31), 2**31, size=words, dtype=np.int64).astype(np.int32)
+    mask[0] &= ~1  # token 0 out, token 1 in, whatever the draw
+    mask[0] |= 2
+    rows = [
+        RowSampling(temperature=0.0, token_mask=mask),
+        RowSampling(logit_bias={1: 0.5}),
+        RowSampling(token_mask=np.full(words, -1, np.int32)),
+    ]
+    st = build_sampling_tensors(rows, 3, HIST, BIAS, True, words)
+    got = np.asarray(_process(logits, st))
+    allowed = _bits_allowed(mask, vocab)
+    np.testing.assert_array_equal(got[0], np.where(allowed, logits[0], -np.inf))
+    np.testing.assert_array_equal(got[1], ref_process(logits[1], rows[1]))
+    np.testing.assert_array_equal(got[2], logits[2])
+    greedy = np.asarray(_sample(logits, st, advanced=True, num_logprobs=None).token_ids)
+    assert greedy[0] == int(np.argmax(np.where(allowed, logits[0], -np.inf)))
+
+
+def test_a_masked_row_draws_from_the_allowed_tokens_alone():
+    """The draw of a masked row follows the reference distribution over its allowed tokens; greedy takes the best."""
+    allowed = [0, 3, 5, 10]
+    mask = np.zeros(1, np.int32)
+    mask[0] = sum(1 << t for t in allowed)
+    n = 4000
+    rows = [RowSampling(seed=i, temperature=1.0, token_mask=mask) for i in range(n)]
+    st = build_sampling_tensors(rows, n, HIST, BIAS, True, 1)
+    got = np.asarray(_sample(np.tile(LOGITS12, (n, 1)), st, advanced=True, num_logprobs=None).token_ids)
+    masked = np.where(np.isin(np.arange(12), allowed), LOGITS12, -np.inf)
+    assert_frequencies(got, ref_probs(masked, 1.0))
+    greedy = [RowSampling(seed=0, temperature=0.0, token_mask=mask)]
+    assert _tokens(LOGITS12[None], greedy)[0] == 5
+    with pytest.raises(ValueError, match="token_mask: row 0 has shape"):
+        build_sampling_tensors(greedy, 1, HIST, BIAS, True, 2)

@@ -18,6 +18,7 @@ from jaxinfer.device import check_device, resolve_kv_cache_dtype
 from jaxinfer.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, CacheConfig, EngineArgs, batch_limits
 from jaxinfer.engine.dp import DataParallelEngine, replica_meshes
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.grammar import GrammarCompiler
 from jaxinfer.engine.runner import enable_compilation_cache
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.host_memory import gc_paused, release_freed_memory, reuse_large_blocks
@@ -70,6 +71,9 @@ def build_engine(args: EngineArgs) -> tuple[Engine | DataParallelEngine, Tokeniz
             from jaxinfer.distributed import attach_followers
 
             attach_followers(engine.runner)  # the lead broadcasts every step; followers run `distributed.follow`
+    grammars = GrammarCompiler(tokenizer, cfg.vocab_size, eos)  # structured outputs: the tokenizer's tokens
+    for e in getattr(engine, "replicas", [engine]):
+        e.grammars = grammars
     # The replicas hold their own (on CPU, for the scanned loop, stacked) copies of the weights now: drop the
     # loaded ones and give their memory back, so a notebook's RSS is what the engine uses.
     del params

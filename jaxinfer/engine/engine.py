@@ -29,6 +29,7 @@ from jaxinfer.cache.pages import PageAllocator
 from jaxinfer.cache.sessions import SessionStore
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import CacheConfig
+from jaxinfer.engine.grammar import GrammarCompiler, grammar_text
 from jaxinfer.engine.runner import ModelRunner, placeholder
 from jaxinfer.engine.scheduler import Evicted, Load, Scheduler
 from jaxinfer.model.transformer import Params
@@ -120,11 +121,14 @@ class Engine:
         self._rng = random.Random(seed)
         self.overlap = overlap
         self._in_flight: tuple | None = None  # with overlap: the dispatched step whose tokens are not read yet
-        self._failed: list[SeqUpdate] = []  # error updates of failed requests, returned by the next step
+        # Updates the next step returns first: failed requests', and a step collected early (_collect_for_grammars).
+        self._unreported: list[SeqUpdate] = []
         self.fault_request = os.environ.get(FAULT_REQUEST_ENV) or None
         # What a request's unset sampling fields default to (the model's generation_config.json: build_engine).
         self.sampling_defaults: dict[str, float | int] = {}
         self.driver: object | None = None  # the AsyncEngine stepping this engine from its thread, if one does
+        # Structured outputs' grammars, for the tokenizer's tokens (build_engine sets it; None: they are refused).
+        self.grammars: GrammarCompiler | None = None
         # Counters for metrics and tests.
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
@@ -292,6 +296,8 @@ class Engine:
             if any(not 0 <= t < self.cfg.vocab_size for t in ids):
                 raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size})")
         check_bad_words(params, self.cfg.vocab_size)
+        if params.structured_outputs is not None:
+            grammar_text(params.structured_outputs)  # a schema, regex or grammar that does not compile: ValueError
         # Until min_tokens, the row's bias also bans the stop ids (`_row`), and allowed_token_ids are bias entries
         # too: they share the capacity.
         banned = set(min_tokens_banned(params, self.eos_token_ids)) if params.min_tokens > 0 else set()
@@ -318,12 +324,19 @@ class Engine:
         if params.max_tokens is None:
             rest = resolved_max_tokens(params, len(prompt), self.cc.max_model_len)
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this engine has no tokenizer to constrain with (engines that "
+                                 "build_engine or LLM made have one)")  # fmt: skip
+            grammar = self.grammars.grammar(params.structured_outputs)
         base_seed = device_seed(params.seed) if params.seed is not None else self._rng.getrandbits(32)
         sids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
         now = time.monotonic()
         for i, sid in enumerate(sids):
             req = Request(sid, prompt, params, sample_seed(base_seed, i), arrival_time=now,
                           group=rid if params.n > 1 else None)  # fmt: skip
+            req.grammar = grammar if i == 0 or grammar is None else grammar.copy()
             self.seqs[sid] = req
             self.scheduler.add(req)
         self.groups[rid] = sids
@@ -361,7 +374,7 @@ class Engine:
             self.groups.pop(rid, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None or bool(self._failed)
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._unreported)
 
     def largest(self) -> Engine:
         """The engine whose limits (KV pool, pages) a request is checked against: this one. (DataParallelEngine:
@@ -382,7 +395,7 @@ class Engine:
                 continue
             self._end(seq, "error")
             seq.finish_time = now
-            self._failed.append(SeqUpdate(sid, [], [], True, "error", None, error=msg))
+            self._unreported.append(SeqUpdate(sid, [], [], True, "error", None, error=msg))
 
     def _fail_step(self, batch: list, error: BaseException) -> None:
         """A step failed as a whole: its requests end with "error". Raises EngineFatalError when the device state
@@ -399,9 +412,9 @@ class Engine:
         except Exception as e:
             raise EngineFatalError(f"the device failed: {e}") from error
 
-    def _take_failed(self) -> list[SeqUpdate]:
-        failed, self._failed = self._failed, []
-        return failed
+    def _take_unreported(self) -> list[SeqUpdate]:
+        updates, self._unreported = self._unreported, []
+        return updates
 
     def _prepare(self, r: Request, num_new: int) -> tuple[SeqChunk, RowSampling]:
         """One scheduled sequence's chunk (with prompt-logprob targets when asked for) and sampling row."""
@@ -463,6 +476,7 @@ class Engine:
         their steps before collecting any). Each sampling sequence gets a placeholder for its token, which the
         device fills in for any step that uses it before the host knows it."""
         host_start = time.perf_counter()
+        self._collect_for_grammars()
         batch = self.scheduler.schedule()
         if self.host is not None:
             self._move_kv()
@@ -470,13 +484,16 @@ class Engine:
             return None
         now = time.monotonic()
         chunks, rows, kept = [], [], []
-        want_prompt_lp = False
+        want_prompt_lp = constrained = False
         for s in batch:
             r = s.req
             if r.status is Status.FINISHED:  # a sibling failed just now
                 continue
             try:
                 chunk, row = self._prepare(r, s.num_new)
+                if r.grammar is not None and s.samples:
+                    row.token_mask = r.grammar.mask()
+                    constrained = True
             except Exception as e:
                 self._fail(r, e)
                 continue
@@ -505,20 +522,28 @@ class Engine:
             if s.samples:
                 s.out_index = len(r.output_token_ids)
                 r.output_token_ids.append(placeholder(i))
-        return batch, chunks, pending
+        return batch, chunks, pending, constrained
+
+    def _collect_for_grammars(self) -> None:
+        """With overlap, collects the step in flight now when it samples a constrained sequence: the next mask of
+        that sequence follows from the token it samples. Its updates go out with the next step's. (Overlap pauses
+        for every sequence of these steps: the grammar's host work waits for the device, as vLLM's does.)"""
+        if self._in_flight is not None and self._in_flight[3]:
+            started, self._in_flight = self._in_flight, None
+            self._unreported += self.finish_step(started)
 
     def finish_step(self, started: tuple | None) -> list[SeqUpdate]:
         """Collects a dispatched step's tokens and updates every sequence it ran (and reports failed ones)."""
         if self._spills:
             self._store_spills()
         if started is None:
-            return self._take_failed()
-        batch, chunks, pending = started
+            return self._take_unreported()
+        batch, chunks, pending, _ = started
         try:
             out, prompt_lp = self.runner.collect(pending)
         except Exception as e:
             self._fail_step(batch, e)
-            return self._take_failed()
+            return self._take_unreported()
         self.num_steps += 1
         now = time.monotonic()
         updates = []
@@ -539,7 +564,7 @@ class Engine:
                 continue
             if update is not None:
                 updates.append(update)
-        return updates + self._take_failed()
+        return updates + self._take_unreported()
 
     def _update(self, req: Request, s, out, i: int, now: float) -> SeqUpdate | None:
         """Row i of a step's outputs applied to its sequence; its SeqUpdate when the row sampled a token."""
@@ -559,6 +584,13 @@ class Engine:
             lp = [entry]
         req.first_token_time = req.first_token_time or now
         reason, stop_reason = self._stop(req, tok, s.out_index + 1)
+        if req.grammar is not None:
+            # A token the grammar refuses ends the request with an error (finish_step). A complete grammar allows
+            # only EOS next, which ends the sequence as any EOS does (vLLM's way: EOS is in its tokens), unless
+            # ignore_eos: then the grammar, done with that EOS, ends it.
+            req.grammar.accept(tok)
+            if reason is None and req.grammar.done and tok in self.eos_token_ids:
+                reason = "stop"
         if reason:
             self._end(req, reason)
             req.stop_reason, req.finish_time = stop_reason, now

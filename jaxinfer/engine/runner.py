@@ -515,7 +515,8 @@ class ModelRunner:
         advanced = needs_advanced(rows)
         decode_only, t, s = self.bucket_for(len(chunks), num_tokens, prompt_logprobs, advanced)
         inp = self.packer.pack(chunks, t, s)
-        st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
+        st = build_sampling_tensors(rows, s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced,
+                                    self.mask_words)  # fmt: skip
         out, prompt_lp = self.launch(inp, st, decode_only, advanced, prompt_logprobs)
         if self.timeline is not None:
             kind = "decode" if decode_only else "mixed"
@@ -591,7 +592,14 @@ class ModelRunner:
     def padding_inputs(self, advanced: bool, t: int, s: int) -> tuple[StepInputs, SamplingTensors]:
         """The host inputs of an all-padding step of T tokens and S rows (it writes nothing): what warm-up runs."""
         inp = pack([], t, s, self.cc.pages_per_seq, self.cc.block_size)
-        return inp, build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced)
+        st = build_sampling_tensors([], s, self.cc.max_model_len, self.cc.logit_bias_capacity, advanced,
+                                    self.mask_words)  # fmt: skip
+        return inp, st
+
+    @property
+    def mask_words(self) -> int:
+        """The width of a structured output's token mask: a bit per token of the vocabulary."""
+        return -(-self.cfg.vocab_size // 32)
 
     @property
     def caches_executables(self) -> bool:

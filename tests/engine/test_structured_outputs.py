@@ -1,0 +1,188 @@
+"""Structured outputs (vLLM's StructuredOutputsParams) on SmolLM2: greedy takes the best token the grammar allows
+under the model's own logits, with the grammar's masks computed by an llguidance matcher built here from the
+tokenizer's own JSON (the engine builds its own from each token's bytes); samples never leave the language; a
+plain request beside a constrained one is unchanged; overlap scheduling changes nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import llguidance
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.core_process import params_from_wire, params_to_wire
+from jaxinfer.model_files import smollm2_gguf
+from jaxinfer.types import StructuredOutputsParams
+from tests.tiny_model import SMOLLM2_SETTINGS
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    with LLM(str(smollm2_gguf()), **SMOLLM2_SETTINGS) as llm:
+        yield llm
+
+
+def _chat_ids(llm: LLM, question: str) -> list[int]:
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _reference_matcher(llm: LLM, so: StructuredOutputsParams) -> llguidance.LLMatcher:
+    """A matcher that shares nothing with the engine's: llguidance reads the tokenizer's HF JSON here."""
+    tk = llm.tokenizer._backend.tk
+    ll = llguidance.LLTokenizer(tk.to_str(), n_vocab=llm.tokenizer.vocab_size, eos_token=list(llm.engine.eos_token_ids))
+    if so.json is not None or so.json_object:
+        options = {"whitespace_flexible": not so.disable_any_whitespace}
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(so.json or '{"type": "object"}', defaults=options)
+    elif so.choice is not None:
+        grammar = llguidance.grammar_from("choice", json.dumps(list(so.choice)))
+    else:
+        grammar = llguidance.grammar_from("regex" if so.regex else "grammar", so.regex or so.grammar)
+    return llguidance.LLMatcher(ll, grammar)
+
+
+def _logits(llm: LLM, ids: list[int]) -> np.ndarray:
+    """The contiguous (non-paged) forward pass's logits at every position."""
+    from jaxinfer.generate import run_step
+    from jaxinfer.model.attention import init_contiguous_cache
+
+    runner, t = llm.engine.runner, len(ids)
+    pos = np.arange(t, dtype=np.int32)[None]
+    lg, _ = run_step(runner.family_params(), runner.cfg, np.asarray([ids], np.int32), pos, pos < t,
+                     init_contiguous_cache(runner.cfg, 1, t), all_logits=True)  # fmt: skip
+    return np.asarray(jax.device_get(lg[0]), np.float32)
+
+
+@pytest.mark.parametrize(
+    "so, question",
+    [
+        (StructuredOutputsParams(json=SCHEMA), "Describe a person as JSON."),
+        (StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8}, [0-9]{2}"), "Name a city and a number."),
+    ],
+    ids=["json", "regex"],
+)
+def test_greedy_takes_the_best_token_the_grammar_allows(smol, so, question):
+    """Each greedy token is the argmax of the model's logits over the tokens a reference matcher allows at that
+    point, the output is in the grammar's language, and it ends with EOS ("stop")."""
+    prompt = _chat_ids(smol, question)
+    params = SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=so)
+    out = smol.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in smol.engine.eos_token_ids
+    if so.json is not None:
+        value = json.loads(out.text)
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int) and len(value["name"]) <= 12
+    else:
+        assert re.fullmatch(so.regex, out.text), out.text
+    lg = _logits(smol, prompt + out.token_ids)
+    ref = _reference_matcher(smol, so)
+    plain_best = 0
+    for i, tok in enumerate(out.token_ids):
+        allowed = np.unpackbits(np.frombuffer(ref.compute_bitmask(), np.uint8), bitorder="little").astype(bool)
+        row = lg[len(prompt) - 1 + i]
+        masked = np.where(allowed[: row.size], row, -np.inf)
+        best, second = np.sort(masked)[::-1][:2]
+        if best - second > 1e-2:  # beyond the float16 pool's rounding
+            assert tok == int(np.argmax(masked)), (i, tok, smol.tokenizer.decode(out.token_ids[:i]))
+        plain_best += int(np.argmax(row)) == tok
+        assert ref.consume_token(tok), (i, tok)
+    assert ref.is_stopped()
+    assert plain_best < len(out.token_ids)  # the grammar overrode the model somewhere: the masks are exercised
+
+
+@pytest.mark.parametrize(
+    "so, accepts",
+    [
+        (StructuredOutputsParams(choice=["red", "green", "light blue"]), lambda t: t in ("red", "green", "light blue")),
+        (StructuredOutputsParams(regex=r"\d{3}-\d{4}"), lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
+        (StructuredOutputsParams(grammar='start: "A" ("b" | "cc"){1,3} "!"'),
+         lambda t: re.fullmatch(r"A(b|cc){1,3}!", t)),
+        (StructuredOutputsParams(grammar='root ::= "x" [0-9]{1,4} "y"'), lambda t: re.fullmatch(r"x[0-9]{1,4}y", t)),
+        (StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+         lambda t: isinstance(json.loads(t), dict)),
+    ],
+    ids=["choice", "regex", "lark", "gbnf", "json_object"],
+)  # fmt: skip
+def test_samples_stay_in_the_language(smol, so, accepts):
+    """n = 4 samples at temperature 1 of every kind of constraint: each one's tokens are a prefix a reference matcher
+    accepts; each ended by EOS ("stop") is a whole word of the language (only JSON objects may run to the length)."""
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=4, structured_outputs=so)
+    outs = smol.generate(["Answer: "], params, use_tqdm=False)[0].outputs
+    for c in outs:
+        ref = _reference_matcher(smol, so)
+        assert ref.consume_tokens(c.token_ids), (c.text, ref.get_error())
+        assert c.finish_reason == "stop" or (so.json_object and c.finish_reason == "length"), c
+        if c.finish_reason == "stop":
+            assert ref.is_stopped() and accepts(c.text), c.text
+    assert len({c.text for c in outs}) > 1  # samples, not one answer four times
+
+
+def test_a_plain_request_beside_a_constrained_one_is_unchanged_and_overlap_changes_nothing(smol):
+    """A constrained request and plain ones in one batch: the plain ones give what they give alone; the
+    constrained one gives the same tokens with overlap scheduling off (its masks follow the tokens before them)."""
+    so = StructuredOutputsParams(json=SCHEMA)
+    constrained = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so)
+    plain = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11)
+    prompts = ["Describe a person as JSON:", "The capital of France is", "def add(a, b):"]
+    together = smol.generate(prompts, [constrained, plain, plain], use_tqdm=False)
+    alone = smol.generate(prompts[1:], plain, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together[1:]] == [o.outputs[0].token_ids for o in alone]
+    assert smol.engine.overlap
+    smol.engine.overlap = False
+    try:
+        sync = smol.generate(prompts[:1], constrained, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        smol.engine.overlap = True
+    assert together[0].outputs[0].token_ids == sync
+    assert smol.engine.allocator.num_free == smol.engine.allocator.num_pages
+
+
+def test_ignore_eos_ends_a_complete_grammar_at_its_eos(smol):
+    """With ignore_eos, a complete grammar still allows nothing but EOS: the sequence ends there ("stop")."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))  # fmt: skip
+    out = smol.generate(["Is the sky blue? Answer:"], params, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert out.token_ids[-1] in smol.engine.eos_token_ids and len(out.token_ids) < 20
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"json": '{"type": "nope"}'}, "structured_outputs.json: "),
+        ({"json": "{not json"}, "structured_outputs.json: "),
+        ({"regex": "a["}, "structured_outputs.regex: .*unclosed character class"),
+        ({"grammar": "start: ("}, "structured_outputs.grammar: "),
+        ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
+        ({"regex": "a", "choice": ["b"]}, "needs exactly one of .* got regex, choice"),
+        ({}, "needs exactly one of .* got none"),
+    ],
+)
+def test_bad_constraints_name_the_field(smol, fields, message):
+    with pytest.raises(ValueError, match=message):
+        smol.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(**fields)), use_tqdm=False)
+    assert not smol.engine.has_unfinished()
+
+
+def test_constraints_cross_to_the_engine_process_and_a_plain_engine_refuses_them(smol):
+    """SamplingParams with a constraint survive the engine process's wire; an Engine built without a tokenizer
+    says why it cannot constrain."""
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    assert params_from_wire(params_to_wire(params)) == params
+    assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == StructuredOutputsParams(regex="a+")
+    grammars, smol.engine.grammars = smol.engine.grammars, None
+    try:
+        with pytest.raises(ValueError, match="structured_outputs: this engine has no tokenizer"):
+            smol.engine.add_request([1, 2], params)
+    finally:
+        smol.engine.grammars = grammars
