@@ -44,7 +44,6 @@ _NOT_USED: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     "web_search_options": (None,),
-    "response_format": (None, {"type": "text"}),
     # vLLM's: beam search (offline only here: LLM.beam_search), and priority scheduling (vLLM's default 0 is fine)
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
@@ -89,6 +88,33 @@ class StreamOptions(_Strict):
         return self.include_usage and self.continuous_usage_stats
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema."""
+
+    name: Annotated[str, Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")  # required here: without one there is nothing to follow
+    strict: bool | None = None  # the schema is followed either way
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` extra: exactly one of these constraints (jaxinfer.types.StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Many[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -122,13 +148,20 @@ class SamplingRequest(_Strict):
     # The top alternatives of every prompt token, and its own logprob and rank (not with stream, as vLLM).
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N" (vLLM's)
+    # Constrained output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* fields,
+    # which clients still send (one of them per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Many[str] | None = None
+    guided_grammar: str | None = None
     # Known but not implemented: see _NOT_USED.
     use_beam_search: Any = None
     length_penalty: Any = None
     priority: Any = None
     service_tier: Any = None
     store: Any = None
-    response_format: Any = None
 
 
 class CompletionRequest(SamplingRequest):

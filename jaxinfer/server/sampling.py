@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import bad_request, from_value_error
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from jaxinfer.server.structured import structured_outputs
 from jaxinfer.types import SamplingParams
 
 
@@ -62,6 +63,7 @@ def build_params(
 ) -> SamplingParams:
     """`defaults`: the model's values for the sampling fields a request leaves unset (its generation_config.json)."""
     d = {**_BUILT_IN, **(defaults or {})}
+    structured = structured_outputs(req)  # a 400 of its own, naming the client's field
     try:
         return SamplingParams(
             n=req.n,
@@ -85,6 +87,7 @@ def build_params(
             skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
         )
     except ValueError as e:
         raise from_value_error(e, renames) from None

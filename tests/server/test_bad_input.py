@@ -80,7 +80,67 @@ CASES = [
     ("chat: bad role", CHAT, _chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role"),
     ("chat: max_completion_tokens = 0", CHAT, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     ("chat: tools", CHAT, _chat(tools=TOOLS), 400, "tools"),
-    ("chat: json mode", CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    # Structured outputs are served (tests/server/test_structured_outputs.py); what cannot compile is a 400 naming
+    # the field the client wrote.
+    ("response_format unknown type", CHAT, _chat(response_format={"type": "xml"}), 400, "response_format.type"),
+    (
+        "json_schema without it",
+        CHAT,
+        _chat(response_format={"type": "json_schema"}),
+        400,
+        "response_format.json_schema",
+    ),
+    (
+        "json_schema without schema",
+        CHAT,
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "a"}}),
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "json_schema bad name",
+        CHAT,
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
+        400,
+        "response_format.json_schema.name",
+    ),
+    (
+        "json_schema invalid",
+        CHAT,
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}),
+        400,
+        "response_format.json_schema.schema",
+    ),
+    ("guided_regex invalid", C, _completion(guided_regex="a["), 400, "guided_regex"),
+    ("guided_choice empty", C, _completion(guided_choice=[]), 400, "guided_choice"),
+    (
+        "structured_outputs grammar invalid",
+        C,
+        _completion(structured_outputs={"grammar": "start: ("}),
+        400,
+        "structured_outputs.grammar",
+    ),
+    (
+        "structured_outputs two kinds",
+        C,
+        _completion(structured_outputs={"regex": "a", "choice": ["b"]}),
+        400,
+        "structured_outputs",
+    ),
+    (
+        "structured_outputs unknown field",
+        C,
+        _completion(structured_outputs={"backend": "xgrammar"}),
+        400,
+        "structured_outputs.backend",
+    ),
+    (
+        "two constraints",
+        CHAT,
+        _chat(response_format={"type": "json_object"}, guided_choice=["a"]),
+        400,
+        "guided_choice",
+    ),
     ("chat: top_logprobs without logprobs", CHAT, _chat(top_logprobs=2), 400, "top_logprobs"),
     ("chat: image part", CHAT, _chat(messages=IMAGE), 400, "messages.0.content"),
     ("unknown model", C, _completion(model="gpt-17"), 404, "model"),
@@ -165,7 +225,7 @@ def _check_error(r, status: int, param: str | None) -> dict:
 def test_bad_request(http, name, path, body, status, param):
     r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     err = _check_error(r, status, param)
-    if name in ("best_of", "suffix", "use_beam_search", "priority", "chat: tools", "chat: json mode",
+    if name in ("best_of", "suffix", "use_beam_search", "priority", "chat: tools",
                 "chat: image part", "chat: tool calls in history", "chat: a tool's result",
                 "chat: a refusal part"):  # fmt: skip
         assert "not supported" in err["message"]

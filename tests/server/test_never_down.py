@@ -195,6 +195,8 @@ def test_no_compilation_while_serving(server, http):
         ("/v1/chat/completions", {**chat, "prompt_logprobs": 0, "allowed_token_ids": [5, 6, 7], "temperature": 1.0}),
         ("/v1/completions", _body(PROMPTS[0], bad_words=["Paris", "the city"], n=2, temperature=1.0, seed=3)),
         ("/v1/chat/completions", {**chat, "n": 2, "temperature": 1.0, "stream": True}),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}, "temperature": 1.0}),
+        ("/v1/completions", _body(PROMPTS[0], guided_choice=["a", "b"], n=2, stream=True)),
     ]
     for path, body in cases:
         r = http.post(path, json=body)
@@ -217,7 +219,8 @@ _FIELDS = ["prompt", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p"
            "echo", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
            "stop_token_ids", "ignore_eos", "best_of", "stream", "stream_options", "include_stop_str_in_output",
            "skip_special_tokens", "messages", "top_logprobs", "max_completion_tokens", "user", "model",
-           "prompt_logprobs", "allowed_token_ids", "return_tokens_as_token_ids", "bad_words"]  # fmt: skip
+           "prompt_logprobs", "allowed_token_ids", "return_tokens_as_token_ids", "bad_words", "response_format",
+           "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]  # fmt: skip
 
 
 @st.composite
