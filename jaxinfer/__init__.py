@@ -5,7 +5,8 @@ from jaxinfer import LLM, SamplingParams
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestsFailedError", "BeamSearchParams"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestsFailedError", "BeamSearchParams",
+           "StructuredOutputsParams"]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -16,7 +17,13 @@ def __getattr__(name: str) -> Any:
         with gc_paused():  # importing jax and flax makes ~200k objects that live as long as the process
             from jaxinfer.llm import LLM
         return LLM
-    if name in ("SamplingParams", "RequestOutput", "CompletionOutput", "RequestsFailedError"):
+    if name in (
+        "SamplingParams",
+        "RequestOutput",
+        "CompletionOutput",
+        "RequestsFailedError",
+        "StructuredOutputsParams",
+    ):
         from jaxinfer import types
 
         return getattr(types, name)

@@ -13,10 +13,9 @@ import llguidance
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
 from jaxinfer.engine.core_process import params_from_wire, params_to_wire
 from jaxinfer.model_files import smollm2_gguf
-from jaxinfer.types import StructuredOutputsParams
 from tests.tiny_model import SMOLLM2_SETTINGS
 
 SCHEMA = {
