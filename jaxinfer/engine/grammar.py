@@ -20,6 +20,11 @@ import numpy as np
 
 from jaxinfer.types import StructuredOutputsParams
 
+# JSON's whitespace between tokens, as llama.cpp's JSON grammars allow it: a space, or one or two newlines and an
+# indent of up to 20. Unbounded whitespace (vLLM's default) lets a model that favours newlines emit them until
+# max_tokens, a known failure of JSON modes; disable_any_whitespace allows none.
+JSON_WHITESPACE = r"(?:[ ]|\n{1,2}[ \t]{0,20})?"
+
 # Grammar texts kept: validate and the engine (and the API process's validate) each ask for the same one.
 _GRAMMAR_CACHE = 256
 
@@ -32,8 +37,9 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     field = f"structured_outputs.{kind}"
     try:
         if kind in ("json", "json_object"):
-            # vLLM's json_object: any JSON object. Whitespace between tokens is allowed unless disabled, as vLLM.
-            options = {"whitespace_flexible": not so.disable_any_whitespace}
+            # vLLM's json_object: any JSON object.
+            options = {"whitespace_flexible": False} if so.disable_any_whitespace else {
+                "whitespace_pattern": JSON_WHITESPACE}  # fmt: skip
             schema = so.json if kind == "json" else '{"type": "object"}'
             text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         elif kind == "choice":

@@ -15,6 +15,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
 from jaxinfer.engine.core_process import params_from_wire, params_to_wire
+from jaxinfer.engine.grammar import JSON_WHITESPACE
 from jaxinfer.model_files import smollm2_gguf
 from tests.tiny_model import SMOLLM2_SETTINGS
 
@@ -42,7 +43,9 @@ def _reference_matcher(llm: LLM, so: StructuredOutputsParams) -> llguidance.LLMa
     tk = llm.tokenizer._backend.tk
     ll = llguidance.LLTokenizer(tk.to_str(), n_vocab=llm.tokenizer.vocab_size, eos_token=list(llm.engine.eos_token_ids))
     if so.json is not None or so.json_object:
-        options = {"whitespace_flexible": not so.disable_any_whitespace}
+        options = (
+            {"whitespace_flexible": False} if so.disable_any_whitespace else {"whitespace_pattern": JSON_WHITESPACE}
+        )
         grammar = llguidance.LLMatcher.grammar_from_json_schema(so.json or '{"type": "object"}', defaults=options)
     elif so.choice is not None:
         grammar = llguidance.grammar_from("choice", json.dumps(list(so.choice)))
@@ -79,6 +82,7 @@ def test_greedy_takes_the_best_token_the_grammar_allows(smol, so, question):
     out = smol.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in smol.engine.eos_token_ids
     if so.json is not None:
+        assert "\n\n\n" not in out.text and " " * 21 not in out.text  # whitespace bounded as llama.cpp bounds it
         value = json.loads(out.text)
         assert set(value) == {"name", "age"} and isinstance(value["age"], int) and len(value["name"]) <= 12
     else:
