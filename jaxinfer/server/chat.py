@@ -20,6 +20,7 @@ from jaxinfer.server.logprobs import TokenIds, chat_logprobs, prompt_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage, template_kwargs
 from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
+from jaxinfer.server.tools import ToolChoice, history_message, template_tools, tool_call, tool_calls, tool_choice
 from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns, refuse_surely_too_long
 from jaxinfer.tokenizer import ChatTemplateError, Tokenizer, template_role
 from jaxinfer.types import RequestOutput, with_bad_words_ids
@@ -31,9 +32,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         raise bad_request("messages must hold at least one message", "messages")
     convo = []
     for i, m in enumerate(messages):
-        if m.role in ("tool", "function"):
-            raise bad_request(f"messages.{i}.role: {m.role!r} messages (a tool's result) are not supported: this "
-                              "server has no tool calling", f"messages.{i}.role", "unsupported_parameter")  # fmt: skip
+        if m.role == "function":
+            raise bad_request(f"messages.{i}.role: 'function' messages (the deprecated form of a tool's result) are "
+                              "not supported: send a 'tool' message", f"messages.{i}.role",
+                              "unsupported_parameter")  # fmt: skip
         for name in m.unsupported_fields():
             raise bad_request(f"messages.{i}.{name} is not supported by this server", f"messages.{i}.{name}",
                               "unsupported_parameter")  # fmt: skip
@@ -44,7 +46,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         msg = {"role": template_role(m.role), "content": content}
         if m.name is not None:
             msg["name"] = m.name
-        convo.append(msg)
+        convo.append(history_message(msg, m.tool_calls, m.tool_call_id))
     return convo
 
 
@@ -66,7 +68,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], kwargs: dict[
 
 
 def _engine_request(
-    ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str, session: str | None
+    ctx: ServingContext, req: ChatCompletionRequest, engine, rid: str, session: str | None, tools: ToolChoice | None
 ) -> EngineRequest:
     """Input filters, chat template, tokenization, the context-window rule and validation (on the thread pool: long
     conversations take a while)."""
@@ -77,7 +79,7 @@ def _engine_request(
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     need = completion_room(asked, limit, "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
 
-    kwargs = template_kwargs(req)
+    kwargs = {**template_tools(req), **template_kwargs(req)}
 
     def encode(msgs: list[dict]) -> tuple[str, list[int]]:
         text = apply_template(ctx.tokenizer, msgs, kwargs)
@@ -90,7 +92,7 @@ def _engine_request(
         refuse_surely_too_long(ctx.tokenizer, "".join(m["content"] for m in convo), limit, "messages")
         text, ids = encode(convo)
         check_fits(len(ids), need, limit, "messages")
-    params, renames = chat_params(req, len(ids), limit, engine.sampling_defaults)
+    params, renames = chat_params(req, len(ids), limit, engine.sampling_defaults, tools and tools.constraint)
     params = with_bad_words_ids(dataclasses.replace(params, session_id=session), ctx.tokenizer)  # as token ids
     try:
         ids = engine.validate(ids, params)
@@ -108,9 +110,10 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     reject_unsupported(req)
     check_fanout(req, ctx.args)
     rid, engine_id = request_id(request, "chatcmpl")
-    sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id, session_id(request, req.user))
+    tools = tool_choice(req)
+    sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id, session_id(request, req.user), tools)
     admission = ctx.admit(request, rid, model, [sub], req.stream)
-    view = _View(ctx, req, sub, model, rid)
+    view = _View(ctx, req, sub, model, rid, tools)
     if req.stream:
         return TrackedStream(view.stream(admission), admission, ctx.args.stream_stall_timeout)
     try:
@@ -126,9 +129,38 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 class _View:
     """Engine outputs -> OpenAI's chat.completion / chat.completion.chunk objects."""
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, sub: EngineRequest, model: str, rid: str):
-        self.ctx, self.req, self.sub, self.model, self.rid = ctx, req, sub, model, rid
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, sub: EngineRequest, model: str, rid: str,
+                 tools: ToolChoice | None = None):  # fmt: skip
+        self.ctx, self.req, self.sub, self.model, self.rid, self.tools = ctx, req, sub, model, rid, tools
         self.created = int(time.time())
+
+    def _message(self, text: str) -> dict:
+        """A whole answer: its text, or (tool_choice) the tool calls it holds; text that is not a whole call (cut
+        short by max_tokens) stays the content."""
+        calls = tool_calls(self.tools, text) if self.tools is not None else None
+        if calls is None:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
+
+    def _delta(self, i: int, text: str, finished: bool) -> dict | None:
+        """Choice i's next stream delta for `text`, what came since the last one (None: hold it back). A named
+        function's arguments stream as they come, its name and call id with the first; "required" calls are one
+        JSON array, sent whole at the end (as tool_calls, or as content when cut short)."""
+        if self.tools is None:
+            return {"content": text} if text else {}
+        if self.tools.function is None:
+            if not finished:
+                return None
+            whole = self._message(text)
+            if "tool_calls" not in whole:
+                return {"content": text} if text else {}
+            return {"tool_calls": [{"index": k, **c} for k, c in enumerate(whole["tool_calls"])]}
+        if not text:
+            return {}
+        if not self._call_sent[i]:
+            self._call_sent[i] = True
+            return {"tool_calls": [{"index": 0, **tool_call(self.tools.function, text)}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
 
     def _logprobs(self, token_ids, entries) -> dict | None:
         if not self.req.logprobs:
@@ -147,7 +179,7 @@ class _View:
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": self._message(c.text),
                 "logprobs": self._logprobs(c.token_ids, c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -168,6 +200,7 @@ class _View:
         n = self.req.n
         sent_chars, sent_tokens = [0] * n, [0] * n
         finished = [False] * n
+        self._call_sent = [False] * n  # a named function's call: its id and name went out
         last = None
 
         def chunk(choices: list[dict]) -> str:
@@ -187,12 +220,15 @@ class _View:
                     i = c.index
                     if finished[i]:
                         continue
-                    delta = c.text[sent_chars[i] :]
-                    if not delta and c.finish_reason is None:
+                    text = c.text[sent_chars[i] :]
+                    if not text and c.finish_reason is None:
                         continue  # text held back (an unfinished character or a possible stop string)
+                    delta = self._delta(i, text, c.finish_reason is not None)
+                    if delta is None:  # held back ("required" tool calls), the tokens' logprobs with it
+                        continue
                     choice = {
                         "index": i,
-                        "delta": {"content": delta} if delta else {},
+                        "delta": delta,
                         "logprobs": self._logprobs(c.token_ids[sent_tokens[i] :], (c.logprobs or [])[sent_tokens[i] :]),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,

@@ -32,11 +32,9 @@ def _defaulted_on_null(model: type[BaseModel]) -> frozenset[str]:
 # The OpenAI fields this server knows but does not implement, with the value that means "not used".
 _NOT_USED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
+    # OpenAI's deprecated forms of tools and tool_choice
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False, True),  # meaningless without tools: any bool is fine
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -49,7 +47,6 @@ _NOT_USED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (None, 1, 1.0),
     "priority": (None, 0),
     # a chat message's (history written by a server that has them)
-    "tool_calls": (None, []),
     "refusal": (None,),
 }
 
@@ -187,20 +184,37 @@ class ContentPart(_Strict):
     refusal: Any = None  # an assistant turn's refusal, as OpenAI's history holds it
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI writes it
+
+
+class ToolCall(_Strict):
+    """A tool call in an assistant message of the history (as this server or OpenAI's wrote it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    # "tool" and "function" (a tool's result) are known so that the error can name them (see chat_messages).
+    # "function" (the deprecated form of a tool's result) is known so that the error can name it (chat_messages).
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | Many[ContentPart]
-    tool_call_id: str | None = None
+    content: str | Many[ContentPart] | None = None  # None: an assistant message that only calls tools
+    tool_call_id: str | None = None  # a tool message's: the call it answers
     name: str | None = None  # passed to the chat template, which decides (ChatML's ignores it, as in vLLM)
+    tool_calls: Many[ToolCall] | None = None
     # Known but not implemented: see _NOT_USED.
-    tool_calls: Any = None
     refusal: Any = None
     function_call: Any = None
     audio: Any = None
 
     def text(self) -> str:
         """The content as one string; ValueError naming the part that is not text."""
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise ValueError("needs a content (only an assistant message with tool_calls may leave it out)")
         if isinstance(self.content, str):
             return self.content
         texts = []
@@ -213,17 +227,38 @@ class ChatMessage(_Strict):
         return "\n".join(texts)
 
 
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: any object
+    strict: bool | None = None  # the arguments follow the schema either way (the grammar enforces it)
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Many[ChatMessage]
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Many[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None

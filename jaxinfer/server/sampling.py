@@ -12,7 +12,7 @@ from jaxinfer.server.args import ServerArgs
 from jaxinfer.server.errors import bad_request, from_value_error
 from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from jaxinfer.server.structured import structured_outputs
-from jaxinfer.types import SamplingParams
+from jaxinfer.types import SamplingParams, StructuredOutputsParams
 
 
 def reject_unsupported(req: SamplingRequest) -> None:
@@ -60,10 +60,12 @@ def build_params(
     renames: dict[str, str] | None = None,
     prompt_logprobs: int | None = None,
     defaults: Mapping[str, float | int] | None = None,
+    tools: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """`defaults`: the model's values for the sampling fields a request leaves unset (its generation_config.json)."""
+    """`defaults`: the model's values for the sampling fields a request leaves unset (its generation_config.json).
+    `tools`: the constraint of a chat request's tool_choice (jaxinfer.server.tools)."""
     d = {**_BUILT_IN, **(defaults or {})}
-    structured = structured_outputs(req)  # a 400 of its own, naming the client's field
+    structured = structured_outputs(req, tools)  # a 400 of its own, naming the client's field
     try:
         return SamplingParams(
             n=req.n,
@@ -124,7 +126,11 @@ def prompt_only(req: CompletionRequest) -> bool:
 
 
 def chat_params(
-    req: ChatCompletionRequest, prompt_len: int, context: int, defaults: Mapping[str, float | int] | None = None
+    req: ChatCompletionRequest,
+    prompt_len: int,
+    context: int,
+    defaults: Mapping[str, float | int] | None = None,
+    tools: StructuredOutputsParams | None = None,
 ) -> tuple[SamplingParams, dict[str, str]]:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -135,5 +141,5 @@ def chat_params(
     if max_tokens is None:  # vLLM's chat default: the rest of the context
         max_tokens = _capped(max(1, context - prompt_len), defaults)
     logprobs = _or(req.top_logprobs, 0) if req.logprobs else None
-    params = build_params(req, max_tokens, logprobs, renames, prompt_logprobs=req.prompt_logprobs, defaults=defaults)
+    params = build_params(req, max_tokens, logprobs, renames, req.prompt_logprobs, defaults, tools)
     return params, renames

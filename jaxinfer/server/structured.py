@@ -3,6 +3,7 @@ the client wrote (response_format.json_schema.schema, structured_outputs.regex, 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from jaxinfer.engine.grammar import grammar_text
@@ -13,10 +14,14 @@ from jaxinfer.types import StructuredOutputsParams
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """The request's one constraint (None: plain text). Two ways of asking at once, or a schema, regex or grammar
-    that does not compile, is a 400 naming the field."""
+def structured_outputs(
+    req: SamplingRequest, tools: StructuredOutputsParams | None = None
+) -> StructuredOutputsParams | None:
+    """The request's one constraint (None: plain text); `tools`: its tool_choice's, checked already. Two ways of
+    asking at once, or a schema, regex or grammar that does not compile, is a 400 naming the field."""
     asked: list[tuple[str, dict, str]] = []  # (request field, StructuredOutputsParams fields, where errors point)
+    if tools is not None:
+        asked.append(("tool_choice", dataclasses.asdict(tools), "tool_choice"))
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
         asked.append(("response_format", {"json_object": True}, "response_format"))

@@ -79,7 +79,43 @@ CASES = [
     ("chat: no messages", CHAT, _chat(messages=[]), 400, "messages"),
     ("chat: bad role", CHAT, _chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages.0.role"),
     ("chat: max_completion_tokens = 0", CHAT, _chat(max_completion_tokens=0), 400, "max_completion_tokens"),
-    ("chat: tools", CHAT, _chat(tools=TOOLS), 400, "tools"),
+    # Tools with tool_choice "required" or named are served (tests/server/test_structured_outputs.py); "auto", the
+    # default with tools, needs a tool-call parser.
+    ("chat: tools", CHAT, _chat(tools=TOOLS), 400, "tool_choice"),
+    ("chat: tool_choice auto", CHAT, _chat(tools=TOOLS, tool_choice="auto"), 400, "tool_choice"),
+    ("chat: tool_choice without tools", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
+    (
+        "chat: unknown function",
+        CHAT,
+        _chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+        "tool_choice.function.name",
+    ),
+    (
+        "chat: tool parameters invalid",
+        CHAT,
+        _chat(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            tool_choice="required",
+        ),
+        400,
+        "tools.0.function.parameters",
+    ),
+    ("chat: two functions of one name", CHAT, _chat(tools=TOOLS * 2, tool_choice="required"), 400, "tools"),
+    (
+        "chat: tool name with a space",
+        CHAT,
+        _chat(tools=[{"type": "function", "function": {"name": "a b"}}], tool_choice="required"),
+        400,
+        "tools.0.function.name",
+    ),
+    (
+        "chat: tools beside response_format",
+        CHAT,
+        _chat(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+        400,
+        "response_format",
+    ),
     # Structured outputs are served (tests/server/test_structured_outputs.py); what cannot compile is a 400 naming
     # the field the client wrote.
     ("response_format unknown type", CHAT, _chat(response_format={"type": "xml"}), 400, "response_format.type"),
@@ -180,12 +216,13 @@ CASES = [
         "messages.0.content",
     ),  # fmt: skip
     (
-        "chat: a tool's result",
+        "chat: a function's result",
         CHAT,
-        _chat(messages=[*MSGS, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]),
+        _chat(messages=[*MSGS, {"role": "function", "content": "42", "name": "f"}]),
         400,
         "messages.1.role",
     ),  # fmt: skip
+    ("chat: a user message without content", CHAT, _chat(messages=[{"role": "user"}]), 400, "messages.0.content"),
     (
         "chat: a refusal part",
         CHAT,
@@ -207,7 +244,7 @@ CASES = [
         CHAT,
         _chat(messages=[*MSGS, {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]),
         400,
-        "messages.1.tool_calls",
+        "messages.1.tool_calls.0.function",
     ),  # fmt: skip
 ]
 
@@ -225,14 +262,15 @@ def _check_error(r, status: int, param: str | None) -> dict:
 def test_bad_request(http, name, path, body, status, param):
     r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     err = _check_error(r, status, param)
-    if name in ("best_of", "suffix", "use_beam_search", "priority", "chat: tools",
-                "chat: image part", "chat: tool calls in history", "chat: a tool's result",
+    if name in ("best_of", "suffix", "use_beam_search", "priority", "chat: image part", "chat: a function's result",
                 "chat: a refusal part"):  # fmt: skip
         assert "not supported" in err["message"]
+    if name in ("chat: tools", "chat: tool_choice auto"):
+        assert '"auto"' in err["message"] and "required" in err["message"], err
     if "negative" in name:  # the bound is the server's max_logprobs, not the int32 range it was said as
         assert ">= 0" in err["message"] and "2147483647" not in err["message"], err
-    if name == "chat: a tool's result":
-        assert "'tool' messages" in err["message"] and "tool calling" in err["message"], err
+    if name == "chat: a function's result":
+        assert "'tool' message" in err["message"], err
     if name == "chat: min_tokens over max_completion_tokens":  # the client's name, also inside the message
         assert "max_completion_tokens (3)" in err["message"] and "max_tokens (" not in err["message"], err
     if name.startswith("lone surrogate"):

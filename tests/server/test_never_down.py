@@ -197,6 +197,15 @@ def test_no_compilation_while_serving(server, http):
         ("/v1/chat/completions", {**chat, "n": 2, "temperature": 1.0, "stream": True}),
         ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}, "temperature": 1.0}),
         ("/v1/completions", _body(PROMPTS[0], guided_choice=["a", "b"], n=2, stream=True)),
+        (
+            "/v1/chat/completions",
+            {
+                **chat,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "stream": True,
+            },
+        ),
     ]
     for path, body in cases:
         r = http.post(path, json=body)
@@ -220,7 +229,8 @@ _FIELDS = ["prompt", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p"
            "stop_token_ids", "ignore_eos", "best_of", "stream", "stream_options", "include_stop_str_in_output",
            "skip_special_tokens", "messages", "top_logprobs", "max_completion_tokens", "user", "model",
            "prompt_logprobs", "allowed_token_ids", "return_tokens_as_token_ids", "bad_words", "response_format",
-           "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]  # fmt: skip
+           "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+           "tool_choice", "parallel_tool_calls"]  # fmt: skip
 
 
 @st.composite

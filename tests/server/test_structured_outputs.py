@@ -1,6 +1,7 @@
-"""Constrained output over HTTP (the shared server: its engine core in a process of its own): OpenAI's
+"""Constrained output over HTTP (the shared SmolLM2 server: its engine core in a process of its own): OpenAI's
 response_format, vLLM's structured_outputs and its older guided_* fields, on both endpoints, streaming or not, with
-n > 1. The tiny random model's own choices are noise: every output is in the language only through the grammar."""
+n > 1; and tool calls (tool_choice "required" or a named function), which are constrained output too.
+"""
 
 from __future__ import annotations
 
@@ -85,3 +86,99 @@ def test_completions_follow_each_kind(http, fields, pattern, stream):
         assert reason == "stop" and re.fullmatch(pattern, text, re.DOTALL), (text, reason)
         if "json" in str(fields):
             _check_record(text)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+
+
+def _check_call(call: dict) -> dict:
+    """A tool call in OpenAI's shape whose arguments follow its function's schema; returns the arguments."""
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-"), call
+    args = json.loads(call["function"]["arguments"])
+    if call["function"]["name"] == "get_weather":
+        assert set(args) == {"city", "unit"} and args["unit"] in ("C", "F") and len(args["city"]) <= 20, args
+    else:
+        assert call["function"]["name"] == "get_time" and args in ({"zone": "UTC"}, {"zone": "CET"}), call
+    return args
+
+
+def _stream_chat(http, body: dict) -> list[dict]:
+    deltas = []
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                deltas += [(c["delta"], c["finish_reason"]) for c in json.loads(line[6:])["choices"]]
+    return deltas
+
+
+def test_a_named_function_is_called_with_arguments_that_follow_its_schema(http):
+    """tool_choice naming a function: the message holds one call of it (content null), streamed or not; streamed,
+    the id and name come with the first arguments, which add up to the same call."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+            "temperature": 0, "tools": [WEATHER, TIME],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+    r = http.post("/v1/chat/completions", json={**body, "n": 2, "temperature": 1.0, "seed": 4})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        msg = choice["message"]
+        assert choice["finish_reason"] == "stop" and msg["content"] is None and len(msg["tool_calls"]) == 1, choice
+        _check_call(msg["tool_calls"][0])
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["tool_calls"][0]
+    calls = [d["tool_calls"] for d, _ in _stream_chat(http, body) if d.get("tool_calls")]
+    assert calls[0][0]["function"]["name"] == "get_weather" and calls[0][0]["id"].startswith("chatcmpl-tool-")
+    assert all("id" not in c[0] and c[0]["index"] == 0 for c in calls[1:])
+    assert "".join(c[0]["function"]["arguments"] for c in calls) == whole["function"]["arguments"]
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_calls_one_or_more_of_the_tools(http, parallel):
+    """tool_choice "required": one call or more, each of one of the tools with arguments of its schema; one only
+    with parallel_tool_calls false (with it true, a sample may list calls until max_tokens: then the text is the
+    content). Streamed, the calls come whole in one delta at the end."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather and time?"}], "max_tokens": 120,
+            "temperature": 1.0, "seed": 2, "n": 3, "tools": [WEATHER, TIME], "tool_choice": "required",
+            "parallel_tool_calls": parallel}  # fmt: skip
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    names = set()
+    for choice in r.json()["choices"]:
+        msg = choice["message"]
+        if parallel and choice["finish_reason"] == "length":  # calls without end: the array is the content
+            assert msg["content"].startswith("[") and "tool_calls" not in msg, choice
+            continue
+        calls = msg["tool_calls"]
+        assert choice["finish_reason"] == "stop" and calls and (parallel or len(calls) == 1), choice
+        names |= {c["function"]["name"] for c in calls}
+        for c in calls:
+            _check_call(c)
+    assert names and names <= {"get_weather", "get_time"}
+    deltas = _stream_chat(http, {**body, "n": 1, "parallel_tool_calls": False})
+    with_calls = [d for d, _ in deltas if d.get("tool_calls")]
+    assert len(with_calls) == 1 and deltas[-1][1] == "stop"
+    for k, c in enumerate(with_calls[0]["tool_calls"]):
+        assert c["index"] == k
+        _check_call({key: v for key, v in c.items() if key != "index"})
+
+
+def test_a_conversation_with_tool_calls_and_results_goes_on(http):
+    """An assistant message that called a tool (content null) and the tool's result reach the chat template; with
+    tool_choice "none" the answer is text."""
+    arguments = '{"city": "Paris", "unit": "C"}'
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"}]  # fmt: skip
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 5,
+                                                "tools": [WEATHER], "tool_choice": "none"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert isinstance(msg["content"], str) and "tool_calls" not in msg
+    tokens = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    plain = http.post("/tokenize", json={"model": MODEL, "messages": messages[:1]}).json()["tokens"]
+    assert len(tokens) > len(plain) + 5  # the tool's result is in the prompt

@@ -1,0 +1,120 @@
+"""Tool calls on /v1/chat/completions, as vLLM serves them without a tool-call parser: tool_choice "required" or a
+named function constrains the output (structured outputs) to JSON the server turns into the message's tool_calls.
+
+- named function: the output is the function's arguments, an object that follows its `parameters` schema;
+- "required": a JSON array of {"name", "parameters"} objects, one of the tools each (at most one with
+  parallel_tool_calls false);
+- "none": the tools reach the chat template (as every choice does) and the model answers in text;
+- "auto", OpenAI's default with tools, needs a parser of the model's own tool-call format, which this server does
+  not have: a 400 that says what works instead (vLLM answers the same without --enable-auto-tool-choice).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from jaxinfer.engine.grammar import grammar_text
+from jaxinfer.server.errors import bad_request
+from jaxinfer.server.protocol import ChatCompletionRequest
+from jaxinfer.types import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a request's tools ask of the output: `constraint` for the engine, `function` for a named choice."""
+
+    constraint: StructuredOutputsParams
+    function: str | None  # the named function; None: "required"
+
+
+def tool_choice(req: ChatCompletionRequest) -> ToolChoice | None:
+    """The request's tool constraint (None: the answer is text). 400s name the field."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools to choose from", "tool_choice")
+        return None
+    if choice is None or choice == "auto":
+        raise bad_request('tool_choice "auto" (the default when tools are given) needs a parser of the model\'s own '
+                          'tool-call format, which this server does not have: send tool_choice "required", '
+                          '{"type": "function", "function": {"name": ...}} or "none"', "tool_choice",
+                          "unsupported_parameter")  # fmt: skip
+    if choice == "none":
+        return None
+    functions = [t.function for t in req.tools]
+    names = [f.name for f in functions]
+    if len(set(names)) < len(names):
+        raise bad_request("tools: each function needs a name of its own", "tools")
+    schemas = [f.parameters if f.parameters is not None else {"type": "object"} for f in functions]
+    for i, schema in enumerate(schemas):
+        try:
+            grammar_text(StructuredOutputsParams(json=schema))
+        except ValueError as e:
+            where = f"tools.{i}.function.parameters"
+            raise bad_request(f"{where}: {str(e).split(': ', 1)[-1]}", where) from None
+    if choice == "required":
+        one_of = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                   "required": ["name", "parameters"], "additionalProperties": False}
+                  for name, schema in zip(names, schemas, strict=True)]  # fmt: skip
+        calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+        if not req.parallel_tool_calls:
+            calls["maxItems"] = 1
+        return ToolChoice(StructuredOutputsParams(json=calls), None)
+    name = choice.function.name
+    if name not in names:
+        raise bad_request(f"tool_choice.function.name: {name!r} is not one of the tools' functions",
+                          "tool_choice.function.name")  # fmt: skip
+    return ToolChoice(StructuredOutputsParams(json=schemas[names.index(name)]), name)
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def tool_calls(choice: ToolChoice, text: str) -> list[dict] | None:
+    """The message's tool_calls for an output `text` (None: it is not a whole call, e.g. cut short by max_tokens)."""
+    if choice.function is not None:
+        return [tool_call(choice.function, text)] if _is_json(text) else None
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def template_tools(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's `tools` variable (OpenAI's tool dicts, as transformers' templates read them)."""
+    return {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
+
+
+def history_message(msg: dict, tool_calls_in: list | None, tool_call_id: str | None) -> dict:
+    """A history message as templates read it: an assistant's tool calls with their arguments as objects (what
+    transformers' templates expect; vLLM converts them the same way), a tool message's call id."""
+    if tool_calls_in:
+        msg["tool_calls"] = [
+            {"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                      "arguments": _arguments(c.function.arguments)}}
+            for c in tool_calls_in
+        ]  # fmt: skip
+    if tool_call_id is not None:
+        msg["tool_call_id"] = tool_call_id
+    return msg
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # written by hand, not JSON: the template gets it as it is
