@@ -530,7 +530,8 @@ class Engine:
         for every sequence of these steps: the grammar's host work waits for the device, as vLLM's does.)"""
         if self._in_flight is not None and self._in_flight[3]:
             started, self._in_flight = self._in_flight, None
-            self._unreported += self.finish_step(started)
+            updates = self.finish_step(started)  # it takes what was unreported before, too
+            self._unreported.extend(updates)
 
     def finish_step(self, started: tuple | None) -> list[SeqUpdate]:
         """Collects a dispatched step's tokens and updates every sequence it ran (and reports failed ones)."""

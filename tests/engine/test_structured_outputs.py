@@ -189,3 +189,22 @@ def test_constraints_cross_to_the_engine_process_and_a_plain_engine_refuses_them
             smol.engine.add_request([1, 2], params)
     finally:
         smol.engine.grammars = grammars
+
+
+def test_a_step_collected_early_reports_each_update_once(smol):
+    """The step in flight is collected before the next is dispatched when it sampled a constrained sequence; what
+    waited to be reported (a request failed meanwhile) goes out once, beside that step's tokens."""
+    eng = smol.engine
+    prompt = smol.tokenizer.encode("Pick one:")
+    choice = StructuredOutputsParams(choice=["red", "blue"])
+    a = eng.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=choice))
+    b = eng.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    seen = eng.step()
+    assert eng._in_flight is not None and eng._in_flight[3]  # overlap: the constrained step is still running
+    eng._fail(eng.seqs[b], "injected failure")
+    while eng.has_unfinished():
+        seen += eng.step()
+    assert [u.finish_reason for u in seen if u.request_id == b] == ["error"]
+    tokens = [t for u in seen if u.request_id == a for t in u.new_token_ids]
+    assert smol.tokenizer.decode(tokens) in ("red", "blue")
+    assert eng.allocator.num_free == eng.allocator.num_pages
