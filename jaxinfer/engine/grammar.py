@@ -29,6 +29,11 @@ JSON_WHITESPACE = r"(?:[ ]|\n{1,2}[ \t]{0,20})?"
 _GRAMMAR_CACHE = 256
 
 
+def mask_words(vocab_size: int) -> int:
+    """The int32 words of a token mask over `vocab_size` tokens (sampling.SamplingTensors.token_mask): a bit each."""
+    return -(-vocab_size // 32)
+
+
 @functools.lru_cache(maxsize=_GRAMMAR_CACHE)
 def grammar_text(so: StructuredOutputsParams) -> str:
     """The llguidance grammar for `so`. Raises ValueError naming the field when it is not a valid schema, regex
@@ -62,13 +67,14 @@ def _one_line(message: str) -> str:
 class Grammar:
     """One sequence's position in its grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+    def __init__(self, matcher: llguidance.LLMatcher, words: int):
+        """words: the mask's width, `sampling.mask_words` of the model's vocabulary."""
         self._matcher = matcher
-        self._words = -(-vocab_size // 32)
+        self._words = words
 
     def copy(self) -> Grammar:
         """An independent matcher at the same position (the n samples of one request)."""
-        return Grammar(self._matcher.deep_copy(), self._words * 32)
+        return Grammar(self._matcher.deep_copy(), self._words)
 
     def mask(self) -> np.ndarray:
         """int32[ceil(V / 32)]: bit t % 32 of word t // 32 set where token t may come next."""
@@ -117,7 +123,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar_text(so), log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{so.given[0]}: {_one_line(matcher.get_error())}")
-        return Grammar(matcher, self.vocab_size)
+        return Grammar(matcher, mask_words(self.vocab_size))
 
 
 class _Wrapped:

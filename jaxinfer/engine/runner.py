@@ -32,6 +32,7 @@ from jaxinfer.config import CUSTOM_ARCH, ModelConfig
 from jaxinfer.device import attention_query_dtype
 from jaxinfer.engine.config import CacheConfig
 from jaxinfer.engine.exec_cache import ExecutableCache, default_folder, jax_cache_dir, remove_jax_entries
+from jaxinfer.engine.grammar import mask_words
 from jaxinfer.engine.kv_copy import PageCopier
 from jaxinfer.engine.timeline import StepTimeline
 from jaxinfer.engine.transfer import Layout, from_flat, to_flat
@@ -599,7 +600,7 @@ class ModelRunner:
     @property
     def mask_words(self) -> int:
         """The width of a structured output's token mask: a bit per token of the vocabulary."""
-        return -(-self.cfg.vocab_size // 32)
+        return mask_words(self.cfg.vocab_size)
 
     @property
     def caches_executables(self) -> bool:
