@@ -182,17 +182,20 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, through the model's chat template. A message is
         {"role", "content"}: text, or OpenAI's content parts of type "text". `continue_final_message=True` (with
         `add_generation_prompt=False`) continues the last message instead of answering it, as vLLM's; the
         template's variables in `chat_template_kwargs` win over the arguments of the same name, as in vLLM.
         `chat_template`: Jinja text rendering these conversations instead of the model's; given to `LLM(...,
-        chat_template=...)` instead, its end-of-turn marker also becomes a stop token."""
+        chat_template=...)` instead, its end-of-turn marker also becomes a stop token. `tools`: OpenAI's tool dicts,
+        the template's `tools` variable (vLLM's); a history may hold assistant `tool_calls` and "tool" messages."""
         if not isinstance(messages, list | tuple) or not messages:
             raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
         convs = [messages] if isinstance(messages[0], dict) else messages
         template_kwargs = {
+            **({"tools": tools} if tools is not None else {}),
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
             **(chat_template_kwargs or {}),
@@ -325,6 +328,8 @@ def _conversation(conv: object, where: str) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"{where}[{j}]: a message is a dict with a 'role' and a 'content', got {m!r:.80}")
         content = m.get("content")
+        if content is None and m.get("tool_calls"):  # an assistant turn that only called tools
+            content = ""
         if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
         ):

@@ -208,3 +208,18 @@ def test_a_step_collected_early_reports_each_update_once(smol):
     tokens = [t for u in seen if u.request_id == a for t in u.new_token_ids]
     assert smol.tokenizer.decode(tokens) in ("red", "blue")
     assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_chat_passes_tools_and_tool_history_to_the_template(smol):
+    """LLM.chat's `tools` (vLLM's) reach the template as its `tools` variable, beside a history holding an
+    assistant's tool call (content None) and the tool's result."""
+    template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}<{{ m.role }}>"
+        "{% for c in m.tool_calls or [] %}call {{ c.function.name }}{% endfor %}{{ m.content }}{% endfor %}"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "noon"}]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    out = smol.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=tools)[0]
+    assert out.prompt == "[get_time]<user>Time?<assistant>call get_time<tool>noon"
