@@ -61,6 +61,16 @@ def compile_deferred(engine: Any) -> int:
     return pending_compiles(engine)
 
 
+def prepare_grammars(engine: Any) -> bool:
+    """Builds what structured outputs read of the tokenizer (`GrammarCompiler.prepare`: up to a second or two for a
+    large vocabulary) unless it is built; returns whether it did. The engine core calls it while idle."""
+    grammars = getattr(getattr(engine, "replicas", [engine])[0], "grammars", None)  # None: an engine without them
+    if grammars is None or grammars.prepared:
+        return False
+    grammars.prepare()
+    return True
+
+
 def attention_kernels(runner: Any) -> str:
     """Which implementation the decode and the mixed (ragged) steps use on this backend, for these pools."""
     import jax

@@ -50,7 +50,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.outbox import RESULTS_HWM, ResultsOutbox
 from jaxinfer.errors import user_errors
 from jaxinfer.host_memory import freeze_for_good, gc_paused
-from jaxinfer.startup import compile_deferred, pending_compiles
+from jaxinfer.startup import compile_deferred, pending_compiles, prepare_grammars
 from jaxinfer.types import SamplingParams, SeqTiming, SeqUpdate
 
 log = logging.getLogger(__name__)
@@ -274,6 +274,8 @@ class EngineCore:
                 if pending_compiles(engine) and not self.commands.poll(0):
                     compile_deferred(engine)  # a second or so: commands wait that long at most
                     self.outbox.outputs([], engine_stats(engine))  # /metrics sees the count go down
+                    continue
+                if not self.commands.poll(0) and prepare_grammars(engine):
                     continue
                 if not self.commands.poll(IDLE_RETRY_MS if self.outbox.pending else 1000):
                     engine.expire_sessions()  # idle: pinned conversations still time out

@@ -6,7 +6,7 @@ token sampled. When the grammar is complete and nothing can extend it, the seque
 
 The grammar text depends on the request alone and is checked without a tokenizer (the API side's `validate`
 does it too); the tokenizer's llguidance form is built once, on the first constrained request (a fraction of a
-second for a 49k vocabulary).
+second for a 49k vocabulary), or by the engine core while idle after start-up.
 """
 
 from __future__ import annotations
@@ -108,6 +108,16 @@ class GrammarCompiler:
         self._eos = list(eos_token_ids or tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._ll: llguidance.LLTokenizer | None = None
+
+    @property
+    def prepared(self) -> bool:
+        return self._ll is not None
+
+    def prepare(self) -> None:
+        """Builds the vocabulary's llguidance form now (the engine core does it while idle after start-up), so the
+        first constrained request does not stall every stream for it."""
+        if self._eos:
+            self._ll_tokenizer()
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         if not self._eos:

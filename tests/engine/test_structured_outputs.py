@@ -223,3 +223,42 @@ def test_chat_passes_tools_and_tool_history_to_the_template(smol):
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     out = smol.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=tools)[0]
     assert out.prompt == "[get_time]<user>Time?<assistant>call get_time<tool>noon"
+
+
+def test_the_engine_core_builds_the_grammar_tokenizer_while_idle(smol):
+    """The engine process's loop (EngineCore, fed over ZeroMQ as in serving) builds what grammars read of the
+    tokenizer once it is idle, so the first constrained request does not stall every stream for it."""
+    import threading
+    import time
+
+    import zmq
+
+    from jaxinfer.engine.core_process import EngineCore, outputs_to_wire, pack
+    from jaxinfer.engine.grammar import GrammarCompiler
+    from jaxinfer.engine.outbox import ResultsOutbox
+
+    eng = smol.engine
+    built, eng.grammars = eng.grammars, GrammarCompiler(smol.tokenizer, eng.cfg.vocab_size, eng.eos_token_ids)
+    ctx = zmq.Context()
+    commands_in, commands = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    results_out = ctx.socket(zmq.PUSH)
+    commands_in.bind("inproc://grammar-commands")
+    commands.connect("inproc://grammar-commands")
+    results_out.bind("inproc://grammar-results")
+    loop = threading.Thread(target=EngineCore(eng, commands_in, ResultsOutbox(results_out, pack, outputs_to_wire)).run,
+                            daemon=True)  # fmt: skip
+    try:
+        assert not eng.grammars.prepared
+        loop.start()
+        deadline = time.monotonic() + 30
+        while not eng.grammars.prepared and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.grammars.prepared and loop.is_alive()
+        commands.send(pack(["shutdown"]))
+        loop.join(10)
+        assert not loop.is_alive()
+    finally:
+        eng.grammars = built
+        for sock in (commands_in, commands, results_out):
+            sock.close(linger=0)
+        ctx.term()
