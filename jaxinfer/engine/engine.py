@@ -434,7 +434,8 @@ class Engine:
         bias = dict(p.logit_bias or {})
         if p.allowed_token_ids:  # the allowed tokens as bias entries (their logit_bias, else 0); the rest are out
             bias = {t: bias.get(t, 0.0) for t in p.allowed_token_ids}
-        if len(req.output_token_ids) < p.min_tokens:  # min_tokens: the stop ids are banned until then
+        # min_tokens: the stop ids are banned until then, unless a complete grammar allows only EOS: it ends there.
+        if len(req.output_token_ids) < p.min_tokens and not (req.grammar is not None and req.grammar.done):
             bias.update({t: float("-inf") for t in min_tokens_banned(p, self.eos_token_ids)})
         return RowSampling(
             # top_k at or past the vocabulary keeps every token: 0 says so without overflowing int32.

@@ -88,8 +88,8 @@ class Grammar:
         """Moves past `token`. Raises ValueError when the grammar does not allow it (a mask that other rules of
         the request, min_tokens or bad_words, emptied)."""
         if not self._matcher.consume_token(int(token)):
-            raise ValueError(f"structured_outputs: token {token} does not follow the grammar "
-                             f"({self._matcher.get_error() or 'no token could follow'})")  # fmt: skip
+            why = _one_line(self._matcher.get_error().split("\n", 1)[0]) or "no token could follow"
+            raise ValueError(f"structured_outputs: token {token} does not follow the grammar ({why:.200})")
 
     @property
     def done(self) -> bool:

@@ -13,7 +13,7 @@ import llguidance
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
+from jaxinfer import LLM, RequestsFailedError, SamplingParams, StructuredOutputsParams
 from jaxinfer.engine.core_process import params_from_wire, params_to_wire
 from jaxinfer.engine.grammar import JSON_WHITESPACE
 from jaxinfer.model_files import smollm2_gguf
@@ -262,3 +262,19 @@ def test_the_engine_core_builds_the_grammar_tokenizer_while_idle(smol):
         for sock in (commands_in, commands, results_out):
             sock.close(linger=0)
         ctx.term()
+
+
+def test_min_tokens_yield_to_a_complete_grammar_and_a_conflict_ends_only_its_request(smol):
+    """min_tokens bans EOS until then, but a complete grammar allows nothing else: it ends the output ("stop").
+    Rules that leave no token the grammar allows (allowed_token_ids outside it) end that request with an error
+    naming structured_outputs; a request beside it finishes as usual."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(max_tokens=10, temperature=0.0, min_tokens=6, structured_outputs=choice)
+    out = smol.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop" and len(out.token_ids) < 6
+    digit = smol.tokenizer.encode("7", add_special_tokens=False)
+    bad = SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=choice, allowed_token_ids=digit)
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with pytest.raises(RequestsFailedError, match="structured_outputs: token .* does not follow the grammar"):
+        smol.generate(["Answer:", "Answer:"], [bad, plain], use_tqdm=False)
+    assert smol.engine.allocator.num_free == smol.engine.allocator.num_pages and not smol.engine.has_unfinished()
