@@ -18,6 +18,7 @@ from jaxinfer.engine.config import (
 
 API_KEY_ENV = "JAXINFER_API_KEY"
 CHAT_TRUNCATION = ("off", "oldest")  # jaxinfer.server.truncation
+TOOL_CALL_PARSERS = ("auto", "hermes", "none")  # jaxinfer.server.tool_parsers
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ServerArgs(EngineArgs):
     max_stream_buffer: int = 1024
     tokenizer_threads: int = 4  # tokenization, chat templates and validation off the event loop
     engine_process: bool = True  # the engine core in its own process (ignored with an injected loader)
+    tool_call_parser: str = "auto"  # tool_choice "auto": the format of the model's calls (TOOL_CALL_PARSERS)
     chat_truncation: str = "off"  # "oldest": drop a chat's oldest turns instead of a 400 when it does not fit
     filters_config: str | None = None  # JSON file of input/output content filters (jaxinfer.server.filters)
 
@@ -312,6 +314,10 @@ def make_parser() -> argparse.ArgumentParser:
                         help="a chat whose prompt plus max_tokens exceeds the context: off answers 400"
                         " (context_length_exceeded); oldest drops its oldest turns, keeping the system prompt and"
                         " the last user message, and reports them in usage.truncated_messages")  # fmt: skip
+    policy.add_argument("--tool-call-parser", default=D.tool_call_parser, choices=TOOL_CALL_PARSERS,
+                        help='tool_choice "auto" (the default with tools): the format the model writes its calls in;'
+                        " auto: hermes (<tool_call> JSON </tool_call>, Qwen 2.5 and 3) where the chat template"
+                        " writes that marker, else none (\"auto\" is then a 400)")  # fmt: skip
     policy.add_argument("--filters-config", default=D.filters_config, metavar="PATH",
                         help="JSON file of content filters run on prompts (a blocked one is a 400, code"
                         " content_filter) and on generated text (held until it passes; a blocked choice ends with"

@@ -11,6 +11,7 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import Response
 
+from jaxinfer.server import tool_parsers
 from jaxinfer.server.admission import Admission
 from jaxinfer.server.body import parse_request
 from jaxinfer.server.context import ServingContext, request_id, session_id
@@ -110,7 +111,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     reject_unsupported(req)
     check_fanout(req, ctx.args)
     rid, engine_id = request_id(request, "chatcmpl")
-    tools = tool_choice(req)
+    tools = tool_choice(req, ctx.tool_parser)
     sub = await ctx.off_loop(_engine_request, ctx, req, engine, engine_id, session_id(request, req.user), tools)
     admission = ctx.admit(request, rid, model, [sub], req.stream)
     view = _View(ctx, req, sub, model, rid, tools)
@@ -135,32 +136,43 @@ class _View:
         self.created = int(time.time())
 
     def _message(self, text: str) -> dict:
-        """A whole answer: its text, or (tool_choice) the tool calls it holds; text that is not a whole call (cut
-        short by max_tokens) stays the content."""
-        calls = tool_calls(self.tools, text) if self.tools is not None else None
-        if calls is None:
-            return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": None, "tool_calls": calls}
-
-    def _delta(self, i: int, text: str, finished: bool) -> dict | None:
-        """Choice i's next stream delta for `text`, what came since the last one (None: hold it back). A named
-        function's arguments stream as they come, its name and call id with the first; "required" calls are one
-        JSON array, sent whole at the end (as tool_calls, or as content when cut short)."""
+        """A whole answer: its text, or the tool calls it holds (tool_choice), beside the text before them ("auto");
+        text that is not a whole call (cut short by max_tokens) stays the content."""
         if self.tools is None:
-            return {"content": text} if text else {}
-        if self.tools.function is None:
-            if not finished:
-                return None
-            whole = self._message(text)
-            if "tool_calls" not in whole:
-                return {"content": text} if text else {}
-            return {"tool_calls": [{"index": k, **c} for k, c in enumerate(whole["tool_calls"])]}
-        if not text:
-            return {}
-        if not self._call_sent[i]:
-            self._call_sent[i] = True
-            return {"tool_calls": [{"index": 0, **tool_call(self.tools.function, text)}]}
-        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+            return {"role": "assistant", "content": text}
+        content, calls = tool_calls(self.tools, text)
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+    def _finish_reason(self, reason: str | None, message: dict) -> str | None:
+        """OpenAI's and vLLM's: "tool_calls" when the model chose to call ("auto"); a call that was required ends
+        as the output did."""
+        auto = self.tools is not None and self.tools.parser is not None
+        return "tool_calls" if auto and reason == "stop" and "tool_calls" in message else reason
+
+    def _delta(self, i: int, text: str, sent: int, finished: bool) -> tuple[dict | None, int]:
+        """Choice i's next stream delta, from its text so far of which `sent` characters went out: (delta or None to
+        hold everything back, characters out after it). A named function's arguments stream as they come, its name
+        and call id with the first; "required" calls are one JSON array, sent whole at the end; "auto" streams
+        the text before a call and the calls whole at the end."""
+        new = text[sent:]
+        if self.tools is None:
+            return ({"content": new} if new else {}), len(text)
+        if self.tools.function is not None:
+            if not new:
+                return {}, len(text)
+            if not self._call_sent[i]:
+                self._call_sent[i] = True
+                return {"tool_calls": [{"index": 0, **tool_call(self.tools.function, new)}]}, len(text)
+            return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}, len(text)
+        if not finished:
+            cut = tool_parsers.sendable(text) if self.tools.parser is not None else sent  # "required": all waits
+            return ({"content": text[sent:cut]}, cut) if cut > sent else (None, sent)
+        whole = self._message(text)
+        if "tool_calls" not in whole:
+            return ({"content": new} if new else {}), len(text)
+        delta: dict = {"tool_calls": [{"index": k, **c} for k, c in enumerate(whole["tool_calls"])]}
+        before = text[sent : text.find(tool_parsers.START)] if self.tools.parser is not None else ""
+        return ({"content": before, **delta} if before.strip() else delta), len(text)
 
     def _logprobs(self, token_ids, entries) -> dict | None:
         if not self.req.logprobs:
@@ -179,9 +191,9 @@ class _View:
         choices = [
             {
                 "index": c.index,
-                "message": self._message(c.text),
+                "message": (message := self._message(c.text)),
                 "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": self._finish_reason(c.finish_reason, message),
                 "stop_reason": c.stop_reason,
             }
             for c in final.outputs
@@ -220,20 +232,20 @@ class _View:
                     i = c.index
                     if finished[i]:
                         continue
-                    text = c.text[sent_chars[i] :]
-                    if not text and c.finish_reason is None:
+                    if len(c.text) == sent_chars[i] and c.finish_reason is None:
                         continue  # text held back (an unfinished character or a possible stop string)
-                    delta = self._delta(i, text, c.finish_reason is not None)
-                    if delta is None:  # held back ("required" tool calls), the tokens' logprobs with it
+                    delta, sent = self._delta(i, c.text, sent_chars[i], c.finish_reason is not None)
+                    if delta is None:  # held back (tool calls), the tokens' logprobs with it
                         continue
+                    reason = self._finish_reason(c.finish_reason, delta)
                     choice = {
                         "index": i,
                         "delta": delta,
                         "logprobs": self._logprobs(c.token_ids[sent_tokens[i] :], (c.logprobs or [])[sent_tokens[i] :]),
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": reason,
                         "stop_reason": c.stop_reason,
                     }
-                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    sent_chars[i], sent_tokens[i] = sent, len(c.token_ids)
                     finished[i] = c.finish_reason is not None
                     yield chunk([choice])
             if include_usage:

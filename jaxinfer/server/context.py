@@ -27,6 +27,7 @@ from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.output_gate import OutputGate
 from jaxinfer.server.ratelimit import RateLimitCollector, RateLimiter
 from jaxinfer.server.state import ServerState
+from jaxinfer.server.tool_parsers import parser_for
 from jaxinfer.server.tracing import RequestTracer
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.types import MAX_SESSION_ID_LEN, SamplingParams
@@ -146,6 +147,11 @@ class ServingContext:
     def tokenizer(self) -> Tokenizer:
         assert self.state.tokenizer is not None, "used before the model was loaded"
         return self.state.tokenizer
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The format of the model's own tool calls, for tool_choice "auto" (--tool-call-parser; None: none)."""
+        return parser_for(self.args.tool_call_parser, self.tokenizer.chat_template)
 
     @property
     def token_text(self) -> TokenText:
