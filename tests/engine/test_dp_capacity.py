@@ -73,16 +73,13 @@ def test_dp_front_in_process_server_weights_and_hashed_ids(tmp_path):
     """Two replicas behind one front: the in-process server starts on it (it read a runner the front has not),
     update_weights takes a module on every replica or on none, and a request id holding '#' is found again when
     the output loop ends it (a stop string) rather than taken for a sample of an n > 1 request."""
-    import time
 
     import jax
-    from starlette.testclient import TestClient
 
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.model.transformer import merge
-    from jaxinfer.server.app import build_app
-    from jaxinfer.server.args import ServerArgs
     from jaxinfer.weights import load_weights
+    from tests.server.conftest import in_process
     from tests.tiny_model import SETTINGS, write_tiny_model
 
     write_tiny_model(tmp_path)
@@ -102,12 +99,7 @@ def test_dp_front_in_process_server_weights_and_hashed_ids(tmp_path):
     after = [o.outputs[0].token_ids for o in llm.generate(["Hello", "Hello"], g, use_tqdm=False)]
     assert before[0] == before[1] and after[0] == after[1] != before[0]
 
-    app = build_app(ServerArgs(model="tiny"), lambda args: (eng, llm.tokenizer))
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 300
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/health").text
-            time.sleep(0.05)
+    with in_process(eng, llm.tokenizer) as client:
         body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text

@@ -6,6 +6,7 @@ The XLA compilation cache (~/.cache/jaxinfer/xla) makes every start after the fi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +89,23 @@ def wait_ready(server: ServerProcess, timeout: float = START_TIMEOUT_S) -> float
         seen_503 = True
         time.sleep(0.5)
     raise TimeoutError(f"server not ready after {timeout}s (saw 503: {seen_503}):\n{server.log_tail()}")
+
+
+@contextlib.contextmanager
+def in_process(engine, tokenizer, name: str = "tiny", timeout: float = 300) -> Iterator:
+    """The app on `engine` and `tokenizer` in this process (starlette's TestClient), once /health answers 200."""
+    from starlette.testclient import TestClient
+
+    from jaxinfer.server.app import build_app
+    from jaxinfer.server.args import ServerArgs
+
+    app = build_app(ServerArgs(model=name), lambda args: (engine, tokenizer))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + timeout
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/health").text
+            time.sleep(0.02)
+        yield client
 
 
 @pytest.fixture(scope="package")

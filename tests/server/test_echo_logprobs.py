@@ -9,13 +9,12 @@ In-process app (starlette's TestClient) on a tiny random-weight model, checked a
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
 
 from jaxinfer.types import SamplingParams
-from tests.server.conftest import metric
+from tests.server.conftest import in_process, metric
 from tests.tiny_model import SETTINGS, settings_flags, write_tiny_model
 
 PROMPTS = ["The capital of France is", "def add(a, b):"]
@@ -42,11 +41,7 @@ def _forward_logprobs(runner, prompt: list[int]) -> np.ndarray:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(TestClient, tokenizer, LLM reference outputs for BODY, forward-pass logprobs per prompt, the runner)."""
-    from starlette.testclient import TestClient
-
     from jaxinfer import LLM
-    from jaxinfer.server.app import build_app
-    from jaxinfer.server.args import ServerArgs
 
     path = tmp_path_factory.mktemp("tiny-echo") / "ck"
     write_tiny_model(path)
@@ -55,12 +50,7 @@ def served(tmp_path_factory):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=K, prompt_logprobs=K)
         refs = llm.generate(PROMPTS, params, use_tqdm=False)
         forward = [_forward_logprobs(llm.engine.runner, r.prompt_token_ids) for r in refs]
-        app = build_app(ServerArgs(model="tiny"), lambda args: (llm.engine, llm.tokenizer))
-        with TestClient(app) as client:
-            deadline = time.monotonic() + 300
-            while client.get("/health").status_code != 200:
-                assert time.monotonic() < deadline, client.get("/health").text
-                time.sleep(0.05)
+        with in_process(llm.engine, llm.tokenizer) as client:
             yield client, llm.tokenizer, refs, forward, llm.engine.runner
     finally:
         llm.close()

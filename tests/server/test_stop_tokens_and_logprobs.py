@@ -13,11 +13,11 @@ pieces of an emoji), which the real model gives only by chance.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from jaxinfer.types import SamplingParams, SeqTiming, SeqUpdate
+from tests.server.conftest import in_process
 from tests.server.fake_engine import FakeEngine
 
 REPLACEMENT = "\ufffd"
@@ -66,18 +66,8 @@ class ScriptedEngine(FakeEngine):
 @pytest.fixture(scope="module")
 def served(tokenizer):
     """(TestClient, the scripted engine, tokenizer)."""
-    from starlette.testclient import TestClient
-
-    from jaxinfer.server.app import build_app
-    from jaxinfer.server.args import ServerArgs
-
     engine = ScriptedEngine(tokenizer)
-    app = build_app(ServerArgs(model="scripted"), lambda args: (engine, tokenizer))
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 30
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/health").text
-            time.sleep(0.02)
+    with in_process(engine, tokenizer, "scripted", timeout=30) as client:
         yield client, engine, tokenizer
 
 
