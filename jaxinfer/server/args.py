@@ -18,7 +18,7 @@ from jaxinfer.engine.config import (
 
 API_KEY_ENV = "JAXINFER_API_KEY"
 CHAT_TRUNCATION = ("off", "oldest")  # jaxinfer.server.truncation
-TOOL_CALL_PARSERS = ("auto", "hermes", "none")  # jaxinfer.server.tool_parsers
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # jaxinfer.server.tool_parsers
 
 
 @dataclass(frozen=True)
@@ -316,8 +316,9 @@ def make_parser() -> argparse.ArgumentParser:
                         " the last user message, and reports them in usage.truncated_messages")  # fmt: skip
     policy.add_argument("--tool-call-parser", default=D.tool_call_parser, choices=TOOL_CALL_PARSERS,
                         help='tool_choice "auto" (the default with tools): the format the model writes its calls in;'
-                        " auto: hermes (<tool_call> JSON </tool_call>, Qwen 2.5 and 3) where the chat template"
-                        " writes that marker, else none (\"auto\" is then a 400)")  # fmt: skip
+                        " auto: the one its chat template teaches (hermes: <tool_call> JSON </tool_call>, Qwen 2.5"
+                        " and 3; llama3_json: the answer is the JSON call, Llama 3.1-3.3), else none (\"auto\" is"
+                        " then a 400)")  # fmt: skip
     policy.add_argument("--filters-config", default=D.filters_config, metavar="PATH",
                         help="JSON file of content filters run on prompts (a blocked one is a 400, code"
                         " content_filter) and on generated text (held until it passes; a blocked choice ends with"

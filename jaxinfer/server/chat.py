@@ -21,7 +21,7 @@ from jaxinfer.server.logprobs import TokenIds, chat_logprobs, prompt_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage, template_kwargs
 from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
-from jaxinfer.server.tools import ToolChoice, history_message, template_tools, tool_call, tool_calls, tool_choice
+from jaxinfer.server.tools import ToolChoice, history_message, tool_call, tool_calls, tool_choice
 from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns, refuse_surely_too_long
 from jaxinfer.tokenizer import ChatTemplateError, Tokenizer, template_role
 from jaxinfer.types import RequestOutput, with_bad_words_ids
@@ -80,7 +80,7 @@ def _engine_request(
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     need = completion_room(asked, limit, "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
 
-    kwargs = {**template_tools(req), **template_kwargs(req)}
+    kwargs = template_kwargs(req)
 
     def encode(msgs: list[dict]) -> tuple[str, list[int]]:
         text = apply_template(ctx.tokenizer, msgs, kwargs)
@@ -165,13 +165,15 @@ class _View:
                 return {"tool_calls": [{"index": 0, **tool_call(self.tools.function, new)}]}, len(text)
             return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}, len(text)
         if not finished:
-            cut = tool_parsers.sendable(text) if self.tools.parser is not None else sent  # "required": all waits
+            parser = tool_parsers.PARSERS.get(self.tools.parser)
+            cut = parser.sendable(text) if parser is not None else sent  # "required": all of it waits
             return ({"content": text[sent:cut]}, cut) if cut > sent else (None, sent)
         whole = self._message(text)
         if "tool_calls" not in whole:
             return ({"content": new} if new else {}), len(text)
         delta: dict = {"tool_calls": [{"index": k, **c} for k, c in enumerate(whole["tool_calls"])]}
-        before = text[sent : text.find(tool_parsers.START)] if self.tools.parser is not None else ""
+        parser = tool_parsers.PARSERS.get(self.tools.parser)
+        before = text[sent : parser.sendable(text)] if parser is not None else ""
         return ({"content": before, **delta} if before.strip() else delta), len(text)
 
     def _logprobs(self, token_ids, entries) -> dict | None:

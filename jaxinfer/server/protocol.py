@@ -278,6 +278,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: Many[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has BOS)
+    tools: Many[ChatTool] | None = None  # the template's `tools`, as a chat request's
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -285,10 +286,11 @@ class TokenizeRequest(_Strict):
 
 
 def template_kwargs(req: TokenizeRequest | ChatCompletionRequest) -> dict[str, Any]:
-    """The chat template's arguments a request gives: its flags, then its chat_template_kwargs over them (vLLM's
-    order)."""
-    return {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
-            **(req.chat_template_kwargs or {})}  # fmt: skip
+    """The chat template's arguments a request gives: its tools (OpenAI's dicts, as transformers' templates read
+    them) and flags, then its chat_template_kwargs over them (vLLM's order)."""
+    tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
+    return {**tools, "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message, **(req.chat_template_kwargs or {})}  # fmt: skip
 
 
 class DetokenizeRequest(_Strict):

@@ -30,7 +30,7 @@ def _tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
         ids = tk.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
         assert req.prompt is not None
-        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"):
             if name in req.model_fields_set:  # the template's: a prompt has no template to apply
                 raise bad_request(f"{name} applies to messages, not to a prompt", name)
         ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)

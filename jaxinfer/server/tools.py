@@ -46,7 +46,7 @@ def tool_choice(req: ChatCompletionRequest, parser: str | None) -> ToolChoice | 
         if parser is None:
             raise bad_request('tool_choice "auto" (the default when tools are given) needs a parser of the model\'s '
                               "tool-call format, and this model's chat template teaches none this server knows "
-                              "(--tool-call-parser hermes names one): send tool_choice \"required\", "
+                              "(--tool-call-parser names one): send tool_choice \"required\", "
                               '{"type": "function", "function": {"name": ...}} or "none"', "tool_choice",
                               "unsupported_parameter")  # fmt: skip
         return ToolChoice(None, parser=parser)
@@ -87,7 +87,7 @@ def tool_calls(choice: ToolChoice, text: str) -> tuple[str | None, list[dict] | 
     """(content, tool_calls) of a message whose output is `text`. tool_calls None: there are none (text that is not
     a whole call, e.g. cut short by max_tokens, is the content)."""
     if choice.parser is not None:
-        content, calls = tool_parsers.parse(text)
+        content, calls = tool_parsers.PARSERS[choice.parser].parse(text)
         return content, [tool_call(name, arguments) for name, arguments in calls] or None
     return (None, calls) if (calls := _constrained_calls(choice, text)) is not None else (text, None)
 
@@ -108,11 +108,6 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def template_tools(req: ChatCompletionRequest) -> dict[str, Any]:
-    """The chat template's `tools` variable (OpenAI's tool dicts, as transformers' templates read them)."""
-    return {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
 
 
 def history_message(msg: dict, tool_calls_in: list | None, tool_call_id: str | None) -> dict:
