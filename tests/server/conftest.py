@@ -91,6 +91,18 @@ def wait_ready(server: ServerProcess, timeout: float = START_TIMEOUT_S) -> float
     raise TimeoutError(f"server not ready after {timeout}s (saw 503: {seen_503}):\n{server.log_tail()}")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """test_shutdown.py stops the package's shared server: it runs after every other test of this package, whatever
+    the files are named (a file that sorted after it found the server gone)."""
+    here = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/server/")]
+    if not here:
+        return
+    block = [items[i] for i in here]
+    last = [item for item in block if item.nodeid.startswith("tests/server/test_shutdown.py")]
+    for i, item in zip(here, [item for item in block if item not in last] + last, strict=True):
+        items[i] = item
+
+
 @contextlib.contextmanager
 def in_process(engine, tokenizer, name: str = "tiny", timeout: float = 300) -> Iterator:
     """The app on `engine` and `tokenizer` in this process (starlette's TestClient), once /health answers 200."""
