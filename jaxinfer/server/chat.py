@@ -21,7 +21,7 @@ from jaxinfer.server.logprobs import TokenIds, chat_logprobs, prompt_logprobs
 from jaxinfer.server.protocol import ChatCompletionRequest, ChatMessage, template_kwargs
 from jaxinfer.server.sampling import chat_params, check_fanout, reject_unsupported
 from jaxinfer.server.streaming import SSE_DONE, ClientDisconnected, TrackedStream, cancel_on_disconnect, merge, sse
-from jaxinfer.server.tools import ToolChoice, history_message, tool_call, tool_calls, tool_choice
+from jaxinfer.server.tools import ToolChoice, history_message, required_calls, tool_call, tool_calls, tool_choice
 from jaxinfer.server.truncation import check_fits, completion_room, drop_oldest_turns, refuse_surely_too_long
 from jaxinfer.tokenizer import ChatTemplateError, Tokenizer, template_role
 from jaxinfer.types import RequestOutput, with_bad_words_ids
@@ -152,7 +152,7 @@ class _View:
     def _delta(self, i: int, text: str, sent: int, finished: bool) -> tuple[dict | None, int]:
         """Choice i's next stream delta, from its text so far of which `sent` characters went out: (delta or None to
         hold everything back, characters out after it). A named function's arguments stream as they come, its name
-        and call id with the first; "required" calls are one JSON array, sent whole at the end; "auto" streams
+        and call id with the first; "required" calls each as its object closes in the JSON array; "auto" streams
         the text before a call and the calls whole at the end."""
         new = text[sent:]
         if self.tools is None:
@@ -164,16 +164,23 @@ class _View:
                 self._call_sent[i] = True
                 return {"tool_calls": [{"index": 0, **tool_call(self.tools.function, new)}]}, len(text)
             return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}, len(text)
+        if self.tools.parser is None:  # "required"
+            calls = required_calls(text)
+            fresh, self._calls_out[i] = calls[self._calls_out[i] :], len(calls)
+            if fresh:
+                first = len(calls) - len(fresh)
+                return {"tool_calls": [{"index": first + k, **tool_call(*c)} for k, c in enumerate(fresh)]}, sent
+            if not finished:
+                return None, sent
+            return ({"content": text} if not calls and text else {}), len(text)
         if not finished:
-            parser = tool_parsers.PARSERS.get(self.tools.parser)
-            cut = parser.sendable(text) if parser is not None else sent  # "required": all of it waits
+            cut = tool_parsers.PARSERS[self.tools.parser].sendable(text)
             return ({"content": text[sent:cut]}, cut) if cut > sent else (None, sent)
         whole = self._message(text)
         if "tool_calls" not in whole:
             return ({"content": new} if new else {}), len(text)
         delta: dict = {"tool_calls": [{"index": k, **c} for k, c in enumerate(whole["tool_calls"])]}
-        parser = tool_parsers.PARSERS.get(self.tools.parser)
-        before = text[sent : parser.sendable(text)] if parser is not None else ""
+        before = text[sent : tool_parsers.PARSERS[self.tools.parser].sendable(text)]
         return ({"content": before, **delta} if before.strip() else delta), len(text)
 
     def _logprobs(self, token_ids, entries) -> dict | None:
@@ -215,6 +222,7 @@ class _View:
         sent_chars, sent_tokens = [0] * n, [0] * n
         finished = [False] * n
         self._call_sent = [False] * n  # a named function's call: its id and name went out
+        self._calls_out = [0] * n  # "required": the calls sent
         last = None
 
         def chunk(choices: list[dict]) -> str:

@@ -95,11 +95,22 @@ def tool_calls(choice: ToolChoice, text: str) -> tuple[str | None, list[dict] | 
 def _constrained_calls(choice: ToolChoice, text: str) -> list[dict] | None:
     if choice.function is not None:
         return [tool_call(choice.function, text)] if _is_json(text) else None
-    try:
-        calls = json.loads(text)
-    except ValueError:
-        return None
-    return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+    return [tool_call(name, arguments) for name, arguments in required_calls(text)] or None
+
+
+def required_calls(text: str) -> list[tuple[str, str]]:
+    """The whole calls of a "required" output so far, as (name, arguments JSON): the array's complete items (the
+    grammar makes each one valid), so a stream can send each as it closes and a cut-short array keeps them."""
+    decoder, calls = json.JSONDecoder(), []
+    pos = len(text) - len(text.lstrip().removeprefix("[").lstrip())
+    while pos < len(text):
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        calls.append((item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+        pos = len(text) - len(text[pos:].lstrip().removeprefix(",").lstrip())
+    return calls
 
 
 def _is_json(text: str) -> bool:

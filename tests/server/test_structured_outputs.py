@@ -139,8 +139,8 @@ def test_a_named_function_is_called_with_arguments_that_follow_its_schema(http):
 @pytest.mark.parametrize("parallel", [False, True])
 def test_required_calls_one_or_more_of_the_tools(http, parallel):
     """tool_choice "required": one call or more, each of one of the tools with arguments of its schema; one only
-    with parallel_tool_calls false (with it true, a sample may list calls until max_tokens: then the text is the
-    content). Streamed, the calls come whole in one delta at the end."""
+    with parallel_tool_calls false (with it true, a sample may list calls until max_tokens: its complete ones
+    stand). Streamed, each call comes as its object closes, the same calls as the whole response's."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather and time?"}], "max_tokens": 120,
             "temperature": 1.0, "seed": 2, "n": 3, "tools": [WEATHER, TIME], "tool_choice": "required",
             "parallel_tool_calls": parallel}  # fmt: skip
@@ -149,21 +149,26 @@ def test_required_calls_one_or_more_of_the_tools(http, parallel):
     names = set()
     for choice in r.json()["choices"]:
         msg = choice["message"]
-        if parallel and choice["finish_reason"] == "length":  # calls without end: the array is the content
-            assert msg["content"].startswith("[") and "tool_calls" not in msg, choice
-            continue
-        calls = msg["tool_calls"]
-        assert choice["finish_reason"] == "stop" and calls and (parallel or len(calls) == 1), choice
+        calls = msg.get("tool_calls")
+        if parallel and choice["finish_reason"] == "length":  # calls without end: the complete ones stand
+            assert calls or msg["content"].startswith("["), choice
+        else:
+            assert choice["finish_reason"] == "stop" and calls and (parallel or len(calls) == 1), choice
+        calls = calls or []
         names |= {c["function"]["name"] for c in calls}
         for c in calls:
             _check_call(c)
     assert names and names <= {"get_weather", "get_time"}
-    deltas = _stream_chat(http, {**body, "n": 1, "parallel_tool_calls": False})
-    with_calls = [d for d, _ in deltas if d.get("tool_calls")]
-    assert len(with_calls) == 1 and deltas[-1][1] == "stop"
-    for k, c in enumerate(with_calls[0]["tool_calls"]):
-        assert c["index"] == k
-        _check_call({key: v for key, v in c.items() if key != "index"})
+    first = r.json()["choices"][0]  # sample 0 of a seed is what n = 1 of it gives
+    deltas = _stream_chat(http, {**body, "n": 1})
+    streamed = [c for d, _ in deltas for c in d.get("tool_calls", [])]
+    assert [c["index"] for c in streamed] == list(range(len(streamed)))
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in first["message"].get("tool_calls") or []
+    ]
+    assert deltas[-1][1] == first["finish_reason"]
+    if streamed:  # a call goes out when its object closes, before the array's end and EOS
+        assert any(d.get("tool_calls") and reason is None for d, reason in deltas), deltas
 
 
 def test_a_conversation_with_tool_calls_and_results_goes_on(http):
