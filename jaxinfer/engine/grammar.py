@@ -68,7 +68,7 @@ class Grammar:
     """One sequence's position in its grammar."""
 
     def __init__(self, matcher: llguidance.LLMatcher, words: int):
-        """words: the mask's width, `sampling.mask_words` of the model's vocabulary."""
+        """words: the mask's width, `mask_words` of the model's vocabulary."""
         self._matcher = matcher
         self._words = words
 
@@ -111,12 +111,13 @@ class GrammarCompiler:
 
     @property
     def prepared(self) -> bool:
-        return self._ll is not None
+        """Nothing is left for `prepare` to build (a model without EOS has nothing: its requests are refused)."""
+        return self._ll is not None or not self._eos
 
     def prepare(self) -> None:
         """Builds the vocabulary's llguidance form now (the engine core does it while idle after start-up), so the
         first constrained request does not stall every stream for it."""
-        if self._eos:
+        if not self.prepared:
             self._ll_tokenizer()
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:

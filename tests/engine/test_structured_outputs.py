@@ -278,3 +278,17 @@ def test_min_tokens_yield_to_a_complete_grammar_and_a_conflict_ends_only_its_req
     with pytest.raises(RequestsFailedError, match="structured_outputs: token .* does not follow the grammar"):
         smol.generate(["Answer:", "Answer:"], [bad, plain], use_tqdm=False)
     assert smol.engine.allocator.num_free == smol.engine.allocator.num_pages and not smol.engine.has_unfinished()
+
+
+def test_an_engine_whose_model_has_no_eos_has_nothing_to_prepare():
+    """Without EOS nothing is built (constrained requests are refused, saying why): the idle engine core must not
+    take preparing for work left, or it would spin instead of waiting for commands."""
+    from types import SimpleNamespace
+
+    from jaxinfer.engine.grammar import GrammarCompiler
+    from jaxinfer.startup import prepare_grammars
+
+    grammars = GrammarCompiler(SimpleNamespace(eos_token_ids=()), 64, ())
+    assert grammars.prepared and not prepare_grammars(SimpleNamespace(grammars=grammars))
+    with pytest.raises(ValueError, match="structured_outputs: the model has no EOS token"):
+        grammars.grammar(StructuredOutputsParams(regex="a"))
