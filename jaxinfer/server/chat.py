@@ -160,8 +160,7 @@ class _View:
         if self.tools.function is not None:
             if not new:
                 return {}, len(text)
-            if not self._call_sent[i]:
-                self._call_sent[i] = True
+            if not sent:  # the first of the arguments: the call's id and name go with it
                 return {"tool_calls": [{"index": 0, **tool_call(self.tools.function, new)}]}, len(text)
             return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}, len(text)
         if self.tools.parser is None:  # "required"
@@ -221,7 +220,6 @@ class _View:
         n = self.req.n
         sent_chars, sent_tokens = [0] * n, [0] * n
         finished = [False] * n
-        self._call_sent = [False] * n  # a named function's call: its id and name went out
         self._calls_out = [0] * n  # "required": the calls sent
         last = None
 

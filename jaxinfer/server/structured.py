@@ -7,7 +7,7 @@ import dataclasses
 import re
 
 from jaxinfer.engine.grammar import grammar_text
-from jaxinfer.server.errors import bad_request
+from jaxinfer.server.errors import APIError, bad_request
 from jaxinfer.server.protocol import SamplingRequest
 from jaxinfer.types import StructuredOutputsParams
 
@@ -49,9 +49,16 @@ def structured_outputs(
         so = StructuredOutputsParams(**fields)
         grammar_text(so)
     except ValueError as e:
-        message = str(e)
-        named = re.match(r"structured_outputs\.\w+", message)  # a field: under the client's name for it
-        if named is None:
-            raise bad_request(message, name) from None
-        raise bad_request(where + message[named.end() :], where) from None
+        raise client_error(e, where, name) from None
     return so
+
+
+def client_error(e: ValueError, where: str, field: str) -> APIError:
+    """A StructuredOutputsParams or grammar error as a 400 in the client's names: a message that names one of its
+    fields ("structured_outputs.regex: ...") names `where` instead; any other message names the request's
+    `field`."""
+    message = str(e)
+    named = re.match(r"structured_outputs\.\w+", message)
+    if named is None:
+        return bad_request(message, field)
+    return bad_request(where + message[named.end() :], where)

@@ -16,11 +16,25 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 Calls = list[tuple[str, str]]  # each call's (name, arguments as JSON text)
 
 
-def _call(obj: object, arguments_key: str) -> tuple[str, str] | None:
+def json_values(text: str, pos: int, separator: str) -> Iterator[tuple[object, int]]:
+    """The JSON values written one after another in `text` from `pos`, `separator` and whitespace between them,
+    each with the position it ends at; it stops at the first that does not decode (cut short, or not JSON)."""
+    decoder = json.JSONDecoder()
+    while pos < len(text):
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return
+        yield value, pos
+        pos = len(text) - len(text[pos:].lstrip().removeprefix(separator).lstrip())
+
+
+def call_of(obj: object, arguments_key: str) -> tuple[str, str] | None:
     """A decoded call object as (name, arguments JSON), or None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -47,7 +61,7 @@ class Hermes:
         calls = []
         for body in Hermes._CALL.findall(text, first):
             try:
-                call = _call(json.loads(body), "arguments")
+                call = call_of(json.loads(body), "arguments")
             except ValueError:
                 return text, []
             if call is None:
@@ -81,17 +95,11 @@ class Llama3Json:
         body = text.strip().removeprefix(Llama3Json.TAG).lstrip()
         if not body.startswith("{"):
             return text, []
-        decoder, calls, pos = json.JSONDecoder(), [], 0
-        while pos < len(body):
-            try:
-                obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
-                return text, []
-            call = _call(obj, "parameters")
-            if call is None:
-                return text, []
-            calls.append(call)
-            pos = len(body) - len(body[pos:].lstrip().removeprefix(";").lstrip())
+        values = list(json_values(body, 0, ";"))
+        calls = [call_of(obj, "parameters") for obj, _ in values]
+        after = body[values[-1][1] :].strip().removeprefix(";").strip() if values else body
+        if not calls or None in calls or after:  # not JSON, not a call, cut short, or words after
+            return text, []
         return None, calls
 
     @staticmethod

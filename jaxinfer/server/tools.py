@@ -21,6 +21,7 @@ from jaxinfer.engine.grammar import grammar_text
 from jaxinfer.server import tool_parsers
 from jaxinfer.server.errors import bad_request
 from jaxinfer.server.protocol import ChatCompletionRequest
+from jaxinfer.server.structured import client_error
 from jaxinfer.types import StructuredOutputsParams
 
 
@@ -62,7 +63,7 @@ def tool_choice(req: ChatCompletionRequest, parser: str | None) -> ToolChoice | 
             grammar_text(StructuredOutputsParams(json=schema))
         except ValueError as e:
             where = f"tools.{i}.function.parameters"
-            raise bad_request(f"{where}: {str(e).split(': ', 1)[-1]}", where) from None
+            raise client_error(e, where, where) from None
     if choice == "required":
         one_of = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
                    "required": ["name", "parameters"], "additionalProperties": False}
@@ -98,19 +99,11 @@ def _constrained_calls(choice: ToolChoice, text: str) -> list[dict] | None:
     return [tool_call(name, arguments) for name, arguments in required_calls(text)] or None
 
 
-def required_calls(text: str) -> list[tuple[str, str]]:
+def required_calls(text: str) -> tool_parsers.Calls:
     """The whole calls of a "required" output so far, as (name, arguments JSON): the array's complete items (the
-    grammar makes each one valid), so a stream can send each as it closes and a cut-short array keeps them."""
-    decoder, calls = json.JSONDecoder(), []
-    pos = len(text) - len(text.lstrip().removeprefix("[").lstrip())
-    while pos < len(text):
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            break
-        calls.append((item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
-        pos = len(text) - len(text[pos:].lstrip().removeprefix(",").lstrip())
-    return calls
+    grammar makes each one a call), so a stream can send each as it closes and a cut-short array keeps them."""
+    start = len(text) - len(text.lstrip().removeprefix("[").lstrip())
+    return [tool_parsers.call_of(item, "parameters") for item, _ in tool_parsers.json_values(text, start, ",")]
 
 
 def _is_json(text: str) -> bool:
