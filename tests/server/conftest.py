@@ -7,6 +7,7 @@ The XLA compilation cache (~/.cache/jaxinfer/xla) makes every start after the fi
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -89,6 +90,17 @@ def wait_ready(server: ServerProcess, timeout: float = START_TIMEOUT_S) -> float
         seen_503 = True
         time.sleep(0.5)
     raise TimeoutError(f"server not ready after {timeout}s (saw 503: {seen_503}):\n{server.log_tail()}")
+
+
+def sse_chunks(client, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed response to `body` (with stream set), its status checked."""
+    chunks = []
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: ") :]))
+    return chunks
 
 
 def pytest_collection_modifyitems(config, items) -> None:

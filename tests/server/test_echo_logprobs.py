@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.types import SamplingParams
-from tests.server.conftest import in_process, metric
+from tests.server.conftest import in_process, metric, sse_chunks
 from tests.tiny_model import SETTINGS, settings_flags, write_tiny_model
 
 PROMPTS = ["The capital of France is", "def add(a, b):"]
@@ -58,16 +58,6 @@ def served(tmp_path_factory):
 
 def _text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _stream(client, body: dict) -> list[dict]:
-    chunks = []
-    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: ") :]))
-    return chunks
 
 
 def _joined(chunks: list[dict]) -> dict[int, dict]:
@@ -150,7 +140,7 @@ def test_echo_logprobs(served):
 def test_stream_equals_non_stream(served):
     client, tokenizer, refs, _, _ = served
     full = client.post("/v1/completions", json=BODY).json()
-    chunks = _stream(client, BODY)
+    chunks = sse_chunks(client, "/v1/completions", BODY)
     joined = _joined(chunks)
     assert set(joined) == {0, 1}
     for choice in full["choices"]:
@@ -185,7 +175,10 @@ def test_n_samples_each_echo_the_scored_prompt(served):
         "logprobs": 1,
         "ignore_eos": True,
     }
-    for choices in (client.post("/v1/completions", json=body).json()["choices"], _joined(_stream(client, body))):
+    for choices in (
+        client.post("/v1/completions", json=body).json()["choices"],
+        _joined(sse_chunks(client, "/v1/completions", body)),
+    ):
         choices = choices if isinstance(choices, list) else [{**v, "index": k} for k, v in sorted(choices.items())]
         assert [c["index"] for c in choices] == [0, 1]
         prompt_parts = []

@@ -12,12 +12,10 @@ pieces of an emoji), which the real model gives only by chance.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from jaxinfer.types import SamplingParams, SeqTiming, SeqUpdate
-from tests.server.conftest import in_process
+from tests.server.conftest import in_process, sse_chunks
 from tests.server.fake_engine import FakeEngine
 
 REPLACEMENT = "\ufffd"
@@ -81,21 +79,11 @@ def _post(client, path: str, body: dict) -> dict:
     return r.json()
 
 
-def _stream(client, path: str, body: dict) -> list[dict]:
-    chunks = []
-    with client.stream("POST", path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: ") :]))
-    return chunks
-
-
 def _complete(client, body: dict) -> tuple[dict, dict]:
     """(the whole choice, the streamed choice joined: text, logprobs lists concatenated, finish and stop reason)."""
     whole = _post(client, "/v1/completions", body)["choices"][0]
     joined: dict = {"text": "", "logprobs": None}
-    for chunk in _stream(client, "/v1/completions", body):
+    for chunk in sse_chunks(client, "/v1/completions", body):
         for c in chunk["choices"]:
             joined["text"] += c["text"]
             if c["logprobs"] is not None:
@@ -111,7 +99,7 @@ def _chat(client, body: dict) -> tuple[dict, dict]:
     """(the whole choice, the streamed choice joined: content, logprobs content, finish and stop reason)."""
     whole = _post(client, "/v1/chat/completions", body)["choices"][0]
     joined: dict = {"content": "", "logprobs": []}
-    for chunk in _stream(client, "/v1/chat/completions", body):
+    for chunk in sse_chunks(client, "/v1/chat/completions", body):
         for c in chunk["choices"]:
             joined["content"] += c["delta"].get("content") or ""
             joined["logprobs"] += (c["logprobs"] or {}).get("content") or []

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, sse_chunks
 
 SCHEMA = {
     "type": "object",
@@ -70,13 +70,10 @@ def test_completions_follow_each_kind(http, fields, pattern, stream):
             "stream": stream, **fields}  # fmt: skip
     texts, reasons = ["", ""], [None, None]
     if stream:
-        with http.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    for c in json.loads(line[6:])["choices"]:
-                        texts[c["index"]] += c["text"]
-                        reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+        for chunk in sse_chunks(http, "/v1/completions", body):
+            for c in chunk["choices"]:
+                texts[c["index"]] += c["text"]
+                reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
     else:
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
@@ -107,14 +104,10 @@ def _check_call(call: dict) -> dict:
     return args
 
 
-def _stream_chat(http, body: dict) -> list[dict]:
-    deltas = []
-    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                deltas += [(c["delta"], c["finish_reason"]) for c in json.loads(line[6:])["choices"]]
-    return deltas
+def _stream_chat(http, body: dict) -> list[tuple[dict, str | None]]:
+    """Each streamed choice's (delta, finish_reason)."""
+    chunks = sse_chunks(http, "/v1/chat/completions", body)
+    return [(c["delta"], c["finish_reason"]) for chunk in chunks for c in chunk["choices"]]
 
 
 def test_a_named_function_is_called_with_arguments_that_follow_its_schema(http):

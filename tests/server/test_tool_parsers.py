@@ -9,7 +9,7 @@ import json
 import pytest
 
 from jaxinfer.server.tool_parsers import Hermes, Llama3Json, parser_for
-from tests.server.conftest import in_process
+from tests.server.conftest import in_process, sse_chunks
 from tests.tiny_model import SETTINGS, write_tiny_model
 
 CALL_A = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
@@ -138,11 +138,8 @@ def test_auto_returns_the_calls_a_model_writes_and_the_text_before(client):
     (call,) = msg["tool_calls"]
     assert call["function"]["name"] == "get_time"
     assert json.loads(call["function"]["arguments"])["zone"] in ("UTC", "CET")
-    deltas = []
-    with client.stream("POST", "/v1/chat/completions", json=_body(stream=True, **forced)) as s:
-        for line in s.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                deltas += [(c["delta"], c["finish_reason"]) for c in json.loads(line[6:])["choices"]]
+    chunks = sse_chunks(client, "/v1/chat/completions", _body(**forced))
+    deltas = [(c["delta"], c["finish_reason"]) for chunk in chunks for c in chunk["choices"]]
     streamed = "".join(d.get("content") or "" for d, _ in deltas)
     calls = [c for d, _ in deltas for c in d.get("tool_calls", [])]
     assert streamed.strip() == (content or "") and "<tool" not in streamed and "{" not in streamed
