@@ -202,7 +202,7 @@ def build_sampling_tensors(
     only[: len(rows)] = [r.only_biased for r in rows]
     words, recent = _pack_bad_words(rows, num_rows, advanced)
     mask = np.full((num_rows, mask_words if advanced else 1), -1, np.int32)
-    for i, r in enumerate(rows):
+    for i, r in enumerate(rows if advanced else ()):  # the basic variant has no masked row (refused above)
         if r.token_mask is not None:
             if r.token_mask.shape != (mask_words,):
                 raise ValueError(f"token_mask: row {i} has shape {r.token_mask.shape}, not ({mask_words},)")
